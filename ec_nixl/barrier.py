@@ -1,0 +1,73 @@
+"""The load barrier: the one place where transferred items are handed to compute.
+
+The vLLM gather reads ``encoder_cache[mm_hash]`` right after ``start_load_caches`` returns, with
+no hook in between, so a connector must never hand over an item before its bytes have landed.
+``LoadBarrier.wait`` is that guarantee:
+
+1. items already landed return at once (no waiting, no device work);
+2. items in flight are waited for, bounded by a deadline (the endpoint's owner thread keeps
+   driving NIXL meanwhile, or the waiter drives it itself when it is the owner);
+3. the compute stream is then ordered after the data: where the bytes became visible through
+   stream work (``LoadTicket``s carrying a CUDA event), the *current stream waits on that event*;
+   no ``torch.cuda.synchronize()``. Bytes that NIXL reports DONE were written by UCX's own
+   completed copy or DMA before DONE was observed on the host, so kernels launched after the
+   barrier see them without further device work;
+4. if anything failed or the deadline passed, ``LoadFailed`` names exactly which items and why,
+   and nothing is returned: partial data never reaches the caller.
+
+On CPU it is host-side only. This module owns the ordering decision; it never posts transfers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import torch
+
+from ec_nixl.endpoint import FAILED, LANDED, Endpoint, LoadTicket
+from ec_nixl.errors import LoadFailed
+
+
+class LoadBarrier:
+    """Waits for a step's ``LoadTicket``s; see the module docstring."""
+
+    def __init__(self, endpoint: Endpoint):
+        self.endpoint = endpoint
+
+    def wait(self, tickets: Sequence[LoadTicket], timeout: Optional[float] = None) -> dict[str, torch.Tensor]:
+        """Block until every ticket landed (-> ``{mm_hash: tensor view}``) or raise ``LoadFailed``.
+
+        ``timeout`` bounds this call; each ticket's own deadline (from ``Endpoint.load``) applies
+        too, so a wait never outlives the load timeout.
+        """
+        t0 = time.perf_counter()
+        if not all(t.state == LANDED for t in tickets):
+            budget = timeout
+            if budget is None:
+                budget = max((t.deadline for t in tickets), default=0.0) - time.monotonic() + 0.05
+            self.endpoint.wait_for(lambda: all(t.done for t in tickets), max(0.0, budget))
+        failures = {t.mm_hash: (t.error or t.reason) for t in tickets if t.state == FAILED}
+        for t in tickets:
+            if t.state not in (LANDED, FAILED):
+                failures[t.mm_hash] = f"not landed within the barrier's {timeout}s (phase '{t.phase}')"
+        if failures:
+            raise LoadFailed(failures)
+        out = {t.mm_hash: t.tensor() for t in tickets}
+        self._order_stream(tickets)
+        self.endpoint.metrics.wait(time.perf_counter() - t0)
+        return out
+
+    @staticmethod
+    def _order_stream(tickets: Sequence[LoadTicket]) -> None:
+        events = [getattr(t, "event", None) for t in tickets]
+        events = [e for e in events if e is not None]
+        if events:
+            stream = torch.cuda.current_stream()
+            for e in events:
+                stream.wait_event(e)
+
+    @staticmethod
+    def failed(tickets: Sequence[LoadTicket]) -> dict[str, str]:
+        """The failures among ``tickets`` so far (non-blocking)."""
+        return {t.mm_hash: t.error for t in tickets if t.state == FAILED}

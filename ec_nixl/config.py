@@ -1,0 +1,184 @@
+"""Endpoint configuration: typed, validated, parsed from JSON/CLI strings.
+
+Every knob of the core lives in ``EndpointConfig``. ``parse_options`` turns a dict of strings
+(what ``--ec-transfer-config`` delivers in ``ec_connector_extra_config``) into typed values and
+rejects unknown keys with the list of valid ones, so a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ec_nixl.errors import ConfigError
+
+MODES = ("auto", "read", "write")
+
+
+@dataclass
+class EndpointConfig:
+    """What one rank's data plane needs to run. Sizes in bytes, times in seconds."""
+
+    name: str
+    """NIXL agent name: unique and stable per rank (the vLLM adapter uses engine_id-dp-tp)."""
+    device: str = "cpu"
+    """Where the pool lives: 'cpu' (DRAM) or 'cuda[:N]' (VRAM)."""
+    pool_bytes: int = 256 << 20
+    """Size of the registered pool; 0 makes a control-only endpoint (no NIXL, no pool)."""
+    block_bytes: int = 64 << 10
+    """Allocation and descriptor granularity; must be equal on all peers."""
+    listen: Optional[str] = None
+    """'host:port' to serve items on (producers); None for consumers."""
+    advertise: Optional[str] = None
+    """'host:port' put into item announcements (default: ``listen``)."""
+    compat: dict = field(default_factory=dict)
+    """What must match between peers (model, dtype, width, ...), hashed into the handshake."""
+    group: Optional[str] = None
+    """Consumer group: the ranks of one consumer engine, which read each item once per rank
+    (``readers``). Items are freed when every group that held them has all its readers done."""
+    token: Optional[str] = None
+    """Shared secret: peers must prove it (HMAC over the handshake)."""
+    mode: str = "auto"
+    """Link mode: 'read' (consumer pulls), 'write' (producer pushes) or 'auto' (probe both)."""
+    backends: tuple = ("UCX",)
+    backend_params: dict = field(default_factory=dict)
+    load_timeout_s: float = 5.0
+    """Longest a load may take from request to landed before it fails."""
+    announce_lease_s: float = 60.0
+    """How long a producer keeps a published item nobody has claimed or held."""
+    grant_lease_s: float = 30.0
+    """How long one granted READ pins an item without the reader's notification."""
+    heartbeat_s: float = 1.0
+    peer_timeout_s: float = 5.0
+    """A peer silent (or unreachable) this long while work is pending is declared dead."""
+    quarantine_s: float = 10.0
+    """A slot whose DMA outcome is unknown stays unused at least this long."""
+    probe_bytes: int = 1 << 20
+    """Size of the READ/WRITE probes timed at handshake (the reserved start of the pool)."""
+    threaded: bool = True
+    """Run an I/O thread that owns NIXL; otherwise the creating thread drives progress."""
+    free_when_consumed: bool = True
+    """Producer frees an item as soon as every declared reader has read it."""
+    evict_unclaimed: bool = True
+    """When the pool is full, drop published items nobody has held yet (oldest first)."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ConfigError("name must be a non-empty string")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.pool_bytes < 0:
+            raise ConfigError(f"pool_bytes must be >= 0, got {self.pool_bytes}")
+        if self.block_bytes <= 0 or self.block_bytes & (self.block_bytes - 1):
+            raise ConfigError(f"block_bytes must be a power of two, got {self.block_bytes}")
+        if self.pool_bytes and self.pool_bytes < self.probe_blocks * self.block_bytes + self.block_bytes:
+            raise ConfigError(
+                f"pool_bytes {self.pool_bytes} too small: the probe area alone takes "
+                f"{self.probe_blocks * self.block_bytes} B"
+            )
+        for f in ("load_timeout_s", "announce_lease_s", "grant_lease_s", "heartbeat_s", "peer_timeout_s"):
+            if getattr(self, f) <= 0:
+                raise ConfigError(f"{f} must be > 0, got {getattr(self, f)}")
+        if self.quarantine_s < 0:
+            raise ConfigError(f"quarantine_s must be >= 0, got {self.quarantine_s}")
+        if self.listen is not None:
+            split_address(self.listen, allow_any_port=True)
+        if self.advertise is not None:
+            split_address(self.advertise)
+
+    @property
+    def probe_blocks(self) -> int:
+        return max(1, -(-self.probe_bytes // self.block_bytes))
+
+
+def split_address(addr: str, allow_any_port: bool = False) -> tuple[str, int]:
+    """'host:port' -> (host, port), with a clear error. Port 0 ("any") only if allowed."""
+    if not isinstance(addr, str) or ":" not in addr:
+        raise ConfigError(f"bad address {addr!r}: expected 'host:port'")
+    host, _, port_s = addr.rpartition(":")
+    host = host.strip("[]")
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ConfigError(f"bad address {addr!r}: port {port_s!r} is not a number") from None
+    if not host or not (0 if allow_any_port else 1) <= port < 65536:
+        raise ConfigError(f"bad address {addr!r}: need a host and a port in 1..65535")
+    return host, port
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def coerce(name: str, value: Any, typ: Any) -> Any:
+    """Convert a JSON/CLI value (often a string) to ``typ``, or raise ConfigError naming ``name``."""
+    origin = typing.get_origin(typ)
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        return coerce(name, value, args[0])
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            s = str(value).strip().lower()
+            if s in _TRUE:
+                return True
+            if s in _FALSE:
+                return False
+            raise ValueError("expected a boolean (true/false/1/0/yes/no)")
+        if typ is int:
+            if isinstance(value, bool):
+                raise ValueError("expected an integer, got a boolean")
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError("expected an integer")
+                return int(value)
+            s = str(value).strip()
+            return int(float(s)) if any(c in s for c in ".eE") and float(s).is_integer() else int(s)
+        if typ is float:
+            if isinstance(value, bool):
+                raise ValueError("expected a number, got a boolean")
+            return float(value)
+        if typ is str:
+            if not isinstance(value, (str, int, float)):
+                raise ValueError("expected a string")
+            return str(value)
+        if typ is tuple or origin is tuple:
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, (list, tuple)):
+                raise ValueError("expected a list")
+            return tuple(str(v) for v in value)
+        if typ is dict or origin is dict:
+            if isinstance(value, str):
+                import json
+
+                value = json.loads(value)
+            if not isinstance(value, dict):
+                raise ValueError("expected an object")
+            return {str(k): str(v) if not isinstance(v, (int, float, bool)) else v for k, v in value.items()}
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"option {name!r}: cannot use {value!r}: {e}") from None
+    raise ConfigError(f"option {name!r}: unsupported type {typ}")  # pragma: no cover
+
+
+def parse_options(cls, options: dict, *, fixed: Optional[dict] = None):
+    """Build dataclass ``cls`` from ``options`` (strings allowed) plus ``fixed`` values.
+
+    Unknown keys raise ConfigError listing every valid key.
+    """
+    if not isinstance(options, dict):
+        raise ConfigError(f"options must be a JSON object, got {type(options).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    settable = sorted(fields - set(fixed or {}))
+    unknown = sorted(set(options) - set(settable))
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown}; valid options are: {', '.join(settable)}")
+    kwargs = {k: coerce(k, v, hints[k]) for k, v in options.items()}
+    kwargs.update(fixed or {})
+    return cls(**kwargs)

@@ -1,0 +1,1461 @@
+"""One rank's data plane: the pool, the NIXL transport and the control plane, driven by one thread.
+
+An ``Endpoint`` is both sides at once:
+
+* **producer** — ``publish()`` pins an encoder output in the registered pool and serves it to
+  consumers that completed the handshake: ``Hold`` (lease + where is it), ``Get`` (grant a READ),
+  ``Push`` (WRITE it into the consumer's reservation). Items are freed when every declared reader
+  has read them, or when their lease expires.
+* **consumer** — ``load()`` reserves a slot per item and fetches it by READ (pull) or WRITE
+  (push), whichever the link probe at handshake found faster; ``LoadBarrier`` waits for them.
+
+Threading: NIXL agents are not thread-safe, so everything that touches NIXL or a ZMQ socket runs
+on one *owner thread*: the endpoint's I/O thread (``threaded=True``), or the thread that created
+it (``threaded=False``; it must then call ``progress()``, which waits do for it). Other threads
+hand work over through a queue. This module owns the state machines; it never blocks on a peer
+without a deadline, and it never frees a slot that a DMA may still write.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from ec_nixl import protocol as P
+from ec_nixl.arena import Arena
+from ec_nixl.config import EndpointConfig, split_address
+from ec_nixl.errors import (
+    ConfigError,
+    ECNixlError,
+    IncompatiblePeer,
+    ItemTooLarge,
+    PoolExhausted,
+    ProtocolError,
+    TransferFailed,
+)
+from ec_nixl.metrics import Metrics
+from ec_nixl.pool import Fence, Pool, Slot
+from ec_nixl.transport import Peer, Transport, Xfer
+
+logger = logging.getLogger("ec_nixl")
+
+_TORCH_DTYPES = {name: getattr(torch, name) for name in P.DTYPE_SIZES if hasattr(torch, name)}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _TORCH_DTYPES[name]
+    except KeyError:
+        raise ProtocolError(f"unsupported dtype {name!r}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in P.DTYPE_SIZES:
+        raise ProtocolError(f"unsupported dtype {dtype} (known: {sorted(P.DTYPE_SIZES)})")
+    return name
+
+
+def describe(mm_hash: str, t: torch.Tensor) -> P.ItemDesc:
+    return P.ItemDesc(mm_hash=mm_hash, shape=list(t.shape), dtype=dtype_name(t.dtype),
+                      nbytes=t.numel() * t.element_size())
+
+
+class Ready:
+    """A host-side readiness flag usable as a fence (``query()``); for producers without CUDA."""
+
+    def __init__(self, done: bool = False):
+        self._done = done
+
+    def set(self) -> None:
+        self._done = True
+
+    def query(self) -> bool:
+        return self._done
+
+
+# --------------------------------------------------------------------------------------------
+# consumer side
+
+
+@dataclass(frozen=True)
+class ItemRef:
+    """What a consumer needs to fetch one item: its description and where it lives.
+
+    ``block``/``valid_until`` come from a producer's Hold reply: while the hold is valid the item
+    cannot move, so a READ can be posted at once without asking for a grant.
+    """
+
+    desc: P.ItemDesc
+    producer: str
+    block: int = -1
+    valid_until: float = 0.0
+    reader: int = 0
+    readers: int = 1
+
+    @property
+    def mm_hash(self) -> str:
+        return self.desc.mm_hash
+
+
+PENDING, LANDED, FAILED = "pending", "landed", "failed"
+
+
+class LoadTicket:
+    """One item being loaded; LANDED once its bytes are in this endpoint's pool."""
+
+    __slots__ = ("ref", "slot", "state", "phase", "error", "reason", "retryable", "deadline",
+                 "t_start", "t_post", "t_done", "xfer", "retry_at", "mode", "_ep", "released", "event")
+
+    def __init__(self, ref: ItemRef, deadline: float, ep: "Endpoint"):
+        self.ref = ref
+        self.slot: Optional[Slot] = None
+        self.state = PENDING
+        self.phase = "queued"
+        self.error = ""
+        self.reason = ""
+        self.retryable = False
+        self.deadline = deadline
+        self.t_start = time.perf_counter()
+        self.t_post = 0.0
+        self.t_done = 0.0
+        self.xfer: Optional[Xfer] = None
+        self.retry_at = 0.0
+        self.mode = ""
+        self._ep = ep
+        self.released = False
+        self.event = None  # a CUDA event, when the bytes became visible through stream work
+
+    @property
+    def mm_hash(self) -> str:
+        return self.ref.desc.mm_hash
+
+    @property
+    def done(self) -> bool:
+        return self.state != PENDING
+
+    def tensor(self) -> torch.Tensor:
+        """The landed item as a view into the pool (valid until ``release``)."""
+        if self.state != LANDED or self.slot is None:
+            raise RuntimeError(f"item {self.mm_hash} is {self.state}, not landed")
+        d = self.ref.desc
+        return self.slot.view(d.shape, torch_dtype(d.dtype))
+
+    def release(self, fence: Optional[Fence] = None) -> None:
+        """Give the slot back once ``fence`` (e.g. the gather's CUDA event) has completed."""
+        if not self.released and self.state == LANDED and self.slot is not None:
+            self.released = True
+            self._ep.pool.release(self.slot, fence)
+
+    def __repr__(self) -> str:
+        return f"LoadTicket({self.mm_hash!r}, {self.state}/{self.phase}{', ' + self.error if self.error else ''})"
+
+
+class _Conn:
+    """The consumer's connection to one producer address."""
+
+    def __init__(self, address: str, sock: zmq.Socket, monitor: zmq.Socket, nonce: bytes):
+        self.address = address
+        self.sock = sock
+        self.monitor = monitor
+        self.nonce = nonce
+        self.state = "connecting"
+        self.error = ""
+        self.reason = ""
+        self.session = ""
+        self.name = ""
+        self.incarnation = ""
+        self.peer: Optional[Peer] = None
+        self.mode = ""
+        self.t_start = time.monotonic()
+        self.last_heard = self.t_start
+        self.last_hb = self.t_start
+        self.waiting: list[LoadTicket] = []  # until the handshake completes
+        self.get_queue: list[LoadTicket] = []  # to send in the next Get
+        self.push_queue: list[LoadTicket] = []
+        self.by_req: dict[int, list[LoadTicket]] = {}
+        self.pushed: dict[str, LoadTicket] = {}  # mm_hash -> ticket awaiting the W notification
+        self.replies: dict[int, object] = {}  # req -> reply, for hold()
+        self.zombies: list[tuple[Slot, float]] = []  # push targets awaiting a CancelAck
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.get_queue or self.push_queue or self.by_req or self.pushed
+                    or self.zombies)
+
+
+# --------------------------------------------------------------------------------------------
+# producer side
+
+
+class _Push:
+    __slots__ = ("session", "reader", "block", "nbytes", "req", "xfer", "state")
+
+    def __init__(self, session: str, reader: int, block: int, nbytes: int, req: int):
+        self.session = session
+        self.reader = reader
+        self.block = block
+        self.nbytes = nbytes
+        self.req = req
+        self.xfer: Optional[Xfer] = None
+        self.state = "queued"  # queued | posted
+
+
+class _Item:
+    __slots__ = ("desc", "slot", "ready", "expires_at", "interest", "done", "pins", "pushes", "held",
+                 "t_pub")
+
+    def __init__(self, desc: P.ItemDesc, slot: Slot, ready: Optional[Fence], lease_s: float):
+        self.desc = desc
+        self.slot = slot
+        self.ready = ready
+        self.t_pub = time.monotonic()
+        self.expires_at = self.t_pub + lease_s
+        self.interest: dict[str, int] = {}  # consumer group -> readers expected
+        self.done: dict[str, set[int]] = {}  # consumer group -> readers that finished
+        self.pins: dict[tuple[str, int], float] = {}  # (session, reader) -> pin expiry
+        self.pushes: dict[tuple[str, int], _Push] = {}
+        self.held = False
+
+    def is_ready(self) -> bool:
+        if self.ready is None:
+            return True
+        if self.ready.query():
+            self.ready = None
+            return True
+        return False
+
+    def satisfied(self) -> bool:
+        """Every group that declared interest has had all its readers read the item."""
+        return bool(self.interest) and all(
+            len(self.done.get(s, ())) >= n for s, n in self.interest.items()
+        )
+
+    def busy(self) -> bool:
+        return bool(self.pins or self.pushes)
+
+
+class _Session:
+    __slots__ = ("id", "identity", "name", "peer", "last_seen", "arena", "group")
+
+    def __init__(self, sid: str, identity: bytes, name: str, peer: Optional[Peer], arena, group: str):
+        self.id = sid
+        self.group = group or sid
+        self.identity = identity
+        self.name = name
+        self.peer = peer
+        self.arena = arena
+        self.last_seen = time.monotonic()
+
+
+# --------------------------------------------------------------------------------------------
+
+
+class Endpoint:
+    """Pool + transport + control plane of one rank. See the module docstring."""
+
+    def __init__(self, cfg: EndpointConfig):
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.incarnation = secrets.token_hex(8)
+        self.compat = P.compat_hash({**cfg.compat, "block": cfg.block_bytes})
+        self._token = cfg.token.encode() if cfg.token else None
+        self._owner = threading.get_ident()
+        self._lock = threading.Lock()  # items table (caller threads publish, owner serves)
+        self._cv = threading.Condition()
+        self._commands: collections.deque = collections.deque()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._reqs = itertools.count(1)
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+        self._thread_error: Optional[BaseException] = None
+
+        self.pool: Optional[Pool] = None
+        self.transport: Optional[Transport] = None
+        if cfg.pool_bytes:
+            arena = Arena(cfg.pool_bytes, cfg.device)
+            try:
+                self.pool = Pool(arena, cfg.block_bytes, reserved_blocks=cfg.probe_blocks)
+                self.transport = Transport(cfg.name, arena, cfg.block_bytes, tuple(cfg.backends),
+                                           dict(cfg.backend_params))
+            except Exception:
+                arena.close()
+                raise
+
+        # producer state
+        self._items: dict[str, _Item] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._active_pushes: list[tuple[_Item, _Push]] = []
+        # consumer state
+        self._conns: dict[str, _Conn] = {}
+        self._by_session: dict[str, _Conn] = {}
+        self._reads: list[LoadTicket] = []  # READs in flight
+        self._retry: list[LoadTicket] = []  # waiting for pool space or a NOT_READY retry
+        self._zombies: list[tuple[Xfer, Slot]] = []  # transfers NIXL could not cancel yet
+        self._changed = False
+        self._next_tick = 0.0
+
+        self._ctx = zmq.Context.instance()
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_fd, zmq.POLLIN)
+        self._server: Optional[zmq.Socket] = None
+        self.address: Optional[str] = None
+        if cfg.listen:
+            host, port = split_address(cfg.listen, allow_any_port=True)
+            self._server = self._ctx.socket(zmq.ROUTER)
+            self._server.setsockopt(zmq.LINGER, 0)
+            self._server.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._server.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+            try:
+                if port == 0:
+                    port = self._server.bind_to_random_port(f"tcp://{host}")
+                else:
+                    self._server.bind(f"tcp://{host}:{port}")
+            except zmq.ZMQError as e:
+                self._server.close()
+                self.close()
+                raise ConfigError(f"cannot listen on {cfg.listen}: {e}") from None
+            self._poller.register(self._server, zmq.POLLIN)
+            self.address = cfg.advertise or f"{host}:{port}"
+        if cfg.threaded:
+            self._thread = threading.Thread(target=self._run, name=f"ec-nixl-io-{cfg.name}", daemon=True)
+            self._owner = -1
+            self._thread.start()
+            while self._owner == -1 and self._thread.is_alive():
+                time.sleep(0.0005)
+
+    # ========================================================================================
+    # threading plumbing
+
+    @property
+    def is_owner(self) -> bool:
+        return threading.get_ident() == self._owner
+
+    def _run(self) -> None:
+        self._owner = threading.get_ident()
+        if self.transport is not None:
+            self.transport.bind_owner()
+        try:
+            while not self._closed:
+                self.progress(self._idle_timeout())
+        except BaseException as e:  # pragma: no cover - a bug; make it visible to waiters
+            logger.exception("ec-nixl I/O thread died")
+            self._thread_error = e
+            with self._cv:
+                self._cv.notify_all()
+
+    def _idle_timeout(self) -> float:
+        if self._reads or self._active_pushes or self._commands:
+            return 0.0
+        if any(c.busy for c in self._conns.values()) or self._retry:
+            return 0.001
+        return 0.05
+
+    def _exec(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the owner thread (now, if we are it)."""
+        if self._thread_error is not None:
+            raise RuntimeError(f"ec-nixl I/O thread died: {self._thread_error!r}")
+        if self.is_owner:
+            fn()
+        else:
+            self._commands.append(fn)
+            os.eventfd_write(self._wake_fd, 1)
+
+    def wait_for(self, pred: Callable[[], bool], timeout: float) -> bool:
+        """Wait until ``pred()`` or ``timeout``; the owner pumps progress meanwhile."""
+        deadline = time.monotonic() + timeout
+        if self.is_owner:
+            spins = 0
+            while not pred():
+                now = time.monotonic()
+                if now >= deadline:
+                    return False
+                self.progress(0.0)
+                spins += 1
+                if spins > 200 and not pred():
+                    time.sleep(min(0.0005, max(0.0, deadline - now)))
+            return True
+        with self._cv:
+            while not pred():
+                if self._thread_error is not None:
+                    raise RuntimeError(f"ec-nixl I/O thread died: {self._thread_error!r}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cv.wait(min(remaining, 0.1))
+        return True
+
+    def _notify(self) -> None:
+        if self._changed:
+            self._changed = False
+            with self._cv:
+                self._cv.notify_all()
+
+    # ========================================================================================
+    # the loop
+
+    def progress(self, timeout: float = 0.0) -> None:
+        """One round of I/O: messages, commands, NIXL completions, timers. Owner thread only."""
+        if self._closed:
+            return
+        try:
+            events = self._poller.poll(timeout * 1000.0 if timeout > 0 else 0)
+        except zmq.ZMQError as e:  # pragma: no cover
+            logger.warning("poll failed: %s", e)
+            events = []
+        for sock, _ in events:
+            if sock == self._wake_fd:
+                try:
+                    os.eventfd_read(self._wake_fd)
+                except BlockingIOError:
+                    pass
+            elif sock is self._server:
+                self._serve_some()
+            else:
+                self._on_client_socket(sock)
+        while self._commands:
+            fn = self._commands.popleft()
+            try:
+                fn()
+            except Exception:
+                logger.exception("ec-nixl command failed")
+        if self.transport is not None:
+            if self._reads:
+                self._poll_reads()
+            if self._active_pushes:
+                self._poll_pushes()
+            self._drain_notifs()
+        now = time.monotonic()
+        if now >= self._next_tick:
+            self._tick(now)
+            self._next_tick = now + 0.002
+        self._flush()
+        self._notify()
+
+    # ========================================================================================
+    # producer API (any thread)
+
+    def publish(self, mm_hash: str, tensor: torch.Tensor, ready: Optional[Fence] = None) -> P.ItemDesc:
+        """Pin ``tensor`` for transfer under ``mm_hash``; returns its description.
+
+        A tensor already inside the pool is adopted as is; any other is copied into a new slot
+        (on CUDA, on the current stream, guarded by an event: the copy never blocks the host).
+        Publishing a hash that is already published only renews its lease.
+        """
+        pool = self._need_pool()
+        desc = describe(mm_hash, tensor)
+        P.validate_item(desc)
+        with self._lock:
+            item = self._items.get(mm_hash)
+            if item is not None:
+                item.expires_at = max(item.expires_at, time.monotonic() + self.cfg.announce_lease_s)
+                return item.desc
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        slot = pool.allocate(desc.nbytes, tag=mm_hash, evict=self._evict if self.cfg.evict_unclaimed else None)
+        try:
+            dst = slot.bytes()
+            src = tensor.reshape(-1).view(torch.uint8)
+            if tensor.device != dst.device:
+                raise ConfigError(f"item {mm_hash} is on {tensor.device}, the pool on {dst.device}")
+            if tensor.device.type == "cuda":
+                dst.copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                ready = _Both(ready, ev) if ready is not None else ev
+            else:
+                dst.copy_(src)
+        except Exception:
+            pool.release(slot)
+            raise
+        self.metrics.count("staging_copies")
+        self.metrics.count("staging_bytes", desc.nbytes)
+        self._add_item(desc, slot, ready)
+        return desc
+
+    def reserve(self, nbytes: int, tag: str = "") -> Slot:
+        """A pool slot to write an item into directly (zero-copy publish with ``publish_slot``)."""
+        return self._need_pool().allocate(nbytes, tag=tag,
+                                          evict=self._evict if self.cfg.evict_unclaimed else None)
+
+    def publish_slot(self, mm_hash: str, slot: Slot, shape, dtype: torch.dtype,
+                     ready: Optional[Fence] = None) -> P.ItemDesc:
+        """Publish bytes already written (or being written: ``ready``) into ``slot``; no copy."""
+        desc = P.ItemDesc(mm_hash=mm_hash, shape=list(shape), dtype=dtype_name(dtype),
+                          nbytes=int(torch.Size(shape).numel()) * P.DTYPE_SIZES[dtype_name(dtype)])
+        P.validate_item(desc)
+        if desc.nbytes > slot.nblocks * self._need_pool().block_size:
+            raise ProtocolError(f"item {mm_hash} of {desc.nbytes} B does not fit its slot of {slot.nbytes} B")
+        with self._lock:
+            if mm_hash in self._items:
+                raise ProtocolError(f"item {mm_hash} is already published")
+        self._add_item(desc, slot, ready)
+        return desc
+
+    def _add_item(self, desc: P.ItemDesc, slot: Slot, ready: Optional[Fence]) -> None:
+        with self._lock:
+            self._items[desc.mm_hash] = _Item(desc, slot, ready, self.cfg.announce_lease_s)
+        self.metrics.count("published")
+
+    def unpublish(self, mm_hash: str) -> bool:
+        """Drop an item now unless a transfer is using it (then it goes when that ends)."""
+        with self._lock:
+            item = self._items.get(mm_hash)
+            if item is None:
+                return False
+            item.expires_at = 0.0
+            item.interest.clear()
+            if item.busy():
+                return True
+            del self._items[mm_hash]
+        self._need_pool().release(item.slot)
+        return True
+
+    def published(self) -> list[str]:
+        with self._lock:
+            return list(self._items)
+
+    def _evict(self, nbytes: int) -> int:
+        """Drop published items nobody has held or pinned, oldest first, until ``nbytes`` fit."""
+        freed = 0
+        victims = []
+        with self._lock:
+            for h, item in sorted(self._items.items(), key=lambda kv: kv[1].t_pub):
+                if freed >= nbytes:
+                    break
+                if not item.held and not item.busy():
+                    victims.append(item)
+                    freed += item.slot.nblocks * self._need_pool().block_size
+                    del self._items[h]
+        for item in victims:
+            logger.info("evicting unclaimed item %s (%d B) to make room", item.desc.mm_hash, item.desc.nbytes)
+            self._need_pool().release(item.slot)
+        return len(victims)
+
+    def _need_pool(self) -> Pool:
+        if self.pool is None:
+            raise ConfigError("this endpoint has no pool (pool_bytes=0): it can only hold/query")
+        return self.pool
+
+    # ========================================================================================
+    # consumer API (any thread)
+
+    def load(self, refs: Iterable[ItemRef], timeout: Optional[float] = None) -> list[LoadTicket]:
+        """Start loading ``refs``; returns one ticket each at once (see ``LoadBarrier``)."""
+        self._need_pool()
+        deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.load_timeout_s)
+        tickets = [LoadTicket(r, deadline, self) for r in refs]
+        bad = []
+        for t in tickets:
+            try:
+                P.validate_item(t.ref.desc)
+                split_address(t.ref.producer)
+            except ECNixlError as e:
+                bad.append((t, e))
+        for t, e in bad:
+            self._fail(t, str(e), "BAD_REQUEST")
+        good = [t for t in tickets if t.state == PENDING]
+        if good:
+            self._exec(lambda: self._start(good))
+        return tickets
+
+    def hold(self, producer: str, mm_hashes: list[str], readers: int = 1,
+             timeout: float = 1.0) -> dict[str, P.ItemState]:
+        """Ask ``producer`` to keep items (extends their lease) and say where they are.
+
+        Returns one ItemState per hash; on timeout or a lost peer, every item gets status
+        ``"UNREACHABLE"`` or ``"TIMEOUT"`` (retryable from the caller's point of view).
+        """
+        split_address(producer)
+        req = next(self._reqs)
+        box: dict = {}
+
+        def send():
+            conn = self._conn(producer)
+            if conn.state == "failed":
+                box["error"] = conn.error
+                return
+            box["conn"] = conn
+            conn.replies[req] = None
+            msg = P.Hold(session="", req=req, mm_hashes=list(mm_hashes), readers=readers)
+            if conn.state == "ready":
+                msg.session = conn.session
+                self._send(conn, msg)
+            else:
+                conn.waiting.append(msg)  # type: ignore[arg-type]
+
+        self._exec(send)
+
+        def answered():
+            c = box.get("conn")
+            return "error" in box or (c is not None and (c.replies.get(req) is not None or c.state == "failed"))
+
+        ok = self.wait_for(answered, timeout)
+        conn = box.get("conn")
+        reply = conn.replies.pop(req, None) if conn is not None else None
+        if isinstance(reply, P.Grant):
+            return {s.mm_hash: s for s in reply.items}
+        status, detail = ("TIMEOUT", f"no answer from {producer} in {timeout:.3f}s") if ok is False else \
+            ("UNREACHABLE", box.get("error") or (conn.error if conn else "") or "no answer")
+        if isinstance(reply, P.Refused):
+            status, detail = reply.reason, reply.detail
+        return {h: P.ItemState(mm_hash=h, status=status, detail=detail) for h in mm_hashes}
+
+    # ========================================================================================
+    # consumer internals (owner thread)
+
+    def _conn(self, address: str) -> _Conn:
+        conn = self._conns.get(address)
+        if conn is not None and conn.state != "failed":
+            return conn
+        if conn is not None and time.monotonic() - conn.t_start < 0.5:
+            return conn  # recently failed: do not hammer a dead address
+        if conn is not None:
+            self._drop_conn(conn)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, secrets.token_bytes(12))
+        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        host, port = split_address(address)
+        sock.connect(f"tcp://{host}:{port}")
+        conn = _Conn(address, sock, monitor, P.new_nonce())
+        self._conns[address] = conn
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+        hello = P.Hello(version=P.PROTOCOL_VERSION, compat=self.compat, name=self.cfg.name,
+                        incarnation=self.incarnation, nonce=conn.nonce,
+                        agent_md=self.transport.metadata if self.transport else None,
+                        arena=self.transport.arena_info if self.transport else None,
+                        group=self.cfg.group or "")
+        P.sign(hello, self._token)
+        try:
+            sock.send(P.encode(hello), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # not connected yet: IMMEDIATE queues nothing; retried in _tick
+        return conn
+
+    def _start(self, tickets: list[LoadTicket]) -> None:
+        for t in tickets:
+            if t.state != PENDING:
+                continue
+            conn = self._conn(t.ref.producer)
+            if conn.state == "failed":
+                self._fail(t, conn.error, conn.reason or "UNREACHABLE")
+            elif conn.state == "connecting":
+                t.phase = "connecting"
+                conn.waiting.append(t)
+            else:
+                self._dispatch(conn, t)
+
+    def _dispatch(self, conn: _Conn, t: LoadTicket) -> None:
+        """Reserve the slot and ask for the item the way this link prefers."""
+        if t.slot is None:
+            try:
+                t.slot = self.pool.allocate(t.ref.desc.nbytes, tag=t.mm_hash)
+            except ItemTooLarge as e:
+                return self._fail(t, str(e), "TOO_LARGE")
+            except PoolExhausted as e:
+                t.phase, t.error = "pool", str(e)
+                self._retry.append(t)
+                return
+        t.mode = conn.mode
+        if conn.mode == "write":
+            t.phase = "push"
+            conn.push_queue.append(t)
+        elif t.ref.block >= 0 and time.time() < t.ref.valid_until:
+            self._post_read(conn, t, t.ref.block)
+        else:
+            t.phase = "grant"
+            conn.get_queue.append(t)
+
+    def _post_read(self, conn: _Conn, t: LoadTicket, remote_block: int) -> None:
+        nblocks = self.pool.blocks_for(t.ref.desc.nbytes)
+        notif = P.encode_notif(P.NOTIF_READ_DONE, conn.session, t.mm_hash, t.ref.reader)
+        t.t_post = time.perf_counter()
+        try:
+            t.xfer = self.transport.post("READ", conn.peer, t.slot.block, remote_block, nblocks, notif)
+        except TransferFailed as e:
+            return self._fail(t, str(e), e.reason)
+        t.phase = "read"
+        self._reads.append(t)
+
+    def _flush(self) -> None:
+        """Send the Get and Push batches gathered this round: one message per producer and reader."""
+        for conn in self._conns.values():
+            if conn.state != "ready" or not (conn.get_queue or conn.push_queue):
+                continue
+            gets, conn.get_queue = conn.get_queue, []
+            for (reader, readers), batch in _by_reader(gets).items():
+                req = next(self._reqs)
+                conn.by_req[req] = batch
+                self._send(conn, P.Get(session=conn.session, req=req, mm_hashes=[t.mm_hash for t in batch],
+                                       reader=reader, readers=readers))
+            pushes, conn.push_queue = conn.push_queue, []
+            for (reader, readers), batch in _by_reader(pushes).items():
+                for t in batch:
+                    conn.pushed[t.mm_hash] = t
+                    t.t_post = time.perf_counter()
+                self._send(conn, P.Push(session=conn.session, req=next(self._reqs), reader=reader, readers=readers,
+                                        items=[P.PushItem(mm_hash=t.mm_hash, block=t.slot.block,
+                                                          nbytes=t.ref.desc.nbytes) for t in batch]))
+
+    def _send(self, conn: _Conn, msg) -> None:
+        try:
+            conn.sock.send(P.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.debug("send to %s failed: %s", conn.address, e)
+
+    def _on_client_socket(self, sock: zmq.Socket) -> None:
+        for conn in list(self._conns.values()):
+            if sock is conn.monitor:
+                try:
+                    ev = recv_monitor_message(conn.monitor, zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                if ev.get("event") == zmq.EVENT_DISCONNECTED and conn.state == "ready":
+                    self._lose_conn(conn, f"producer {conn.address} disconnected")
+                return
+            if sock is conn.sock:
+                for _ in range(64):
+                    try:
+                        data = conn.sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        return
+                    conn.last_heard = time.monotonic()
+                    try:
+                        msg = P.decode(data)
+                        self._on_reply(conn, msg)
+                    except ECNixlError as e:
+                        logger.warning("bad message from producer %s: %s", conn.address, e)
+                        self.metrics.fail("BAD_MESSAGE")
+                    if conn.state == "failed":
+                        return
+                return
+
+    def _on_reply(self, conn: _Conn, msg) -> None:
+        if isinstance(msg, P.Welcome):
+            return self._on_welcome(conn, msg)
+        if isinstance(msg, P.Refused):
+            if conn.state == "connecting" or msg.req == 0:
+                return self._fail_conn(conn, f"producer {conn.address} refused: {msg.reason}: {msg.detail}",
+                                       msg.reason)
+            if msg.req in conn.replies:
+                conn.replies[msg.req] = msg
+                self._changed = True
+            for t in conn.by_req.pop(msg.req, []):
+                self._fail(t, f"{msg.reason}: {msg.detail}", msg.reason)
+            return
+        if isinstance(msg, P.Grant):
+            if msg.req in conn.replies:
+                conn.replies[msg.req] = msg
+                self._changed = True
+                return
+            return self._on_grant(conn, msg)
+        if isinstance(msg, P.PushFailed):
+            for s in msg.items:
+                t = conn.pushed.pop(s.mm_hash, None)
+                if t is not None:
+                    self._fail_slot_safe(t, f"producer could not push: {s.status}: {s.detail}", s.status)
+            return
+        if isinstance(msg, P.CancelAck):
+            safe = set(msg.safe)
+            keep = []
+            for slot, until in conn.zombies:
+                if slot.tag in safe:
+                    self.pool.quarantine(slot, 0.0)
+                else:
+                    keep.append((slot, until))
+            conn.zombies = keep
+            return
+        if isinstance(msg, P.Heartbeat):
+            return
+        logger.warning("unexpected %s from producer %s", type(msg).__name__, conn.address)
+
+    def _on_welcome(self, conn: _Conn, msg: P.Welcome) -> None:
+        if conn.state != "connecting":
+            return
+        if not P.verify(msg, self._token, conn.nonce):
+            return self._fail_conn(conn, f"producer {conn.address} failed authentication (token mismatch)",
+                                   "UNAUTHORIZED")
+        if msg.version != P.PROTOCOL_VERSION:
+            return self._fail_conn(conn, f"producer {conn.address} speaks protocol {msg.version}, "
+                                   f"we speak {P.PROTOCOL_VERSION}", "VERSION")
+        if msg.compat != self.compat:
+            return self._fail_conn(conn, f"producer {conn.address} is incompatible (compat hash "
+                                   f"{msg.compat} != {self.compat}: model/dtype/width/block differ)", "INCOMPAT")
+        conn.session, conn.name, conn.incarnation = msg.session, msg.name, msg.incarnation
+        if self.transport is not None:
+            if msg.agent_md is None or msg.arena is None:
+                return self._fail_conn(conn, f"producer {conn.address} serves no data (control-only)",
+                                       "INCOMPAT")
+            try:
+                conn.peer = self.transport.add_peer(msg.agent_md, msg.arena, msg.incarnation)
+            except Exception as e:
+                return self._fail_conn(conn, f"cannot add producer {conn.address} as NIXL peer: {e}", "INCOMPAT")
+            conn.mode = self._choose_mode(conn)
+        conn.state = "ready"
+        self._by_session[conn.session] = conn
+        waiting, conn.waiting = conn.waiting, []
+        for w in waiting:
+            if isinstance(w, P.Hold):
+                w.session = conn.session
+                self._send(conn, w)
+            else:
+                self._dispatch(conn, w)
+
+    def _choose_mode(self, conn: _Conn) -> str:
+        """Time a small READ and WRITE over the real path; pick the faster unless forced."""
+        peer = conn.peer
+        n = self.cfg.probe_blocks
+        if self.cfg.mode != "auto":
+            mode = self.cfg.mode
+            read_s = write_s = float("nan")
+        else:
+            read_s = self.transport.probe(peer, "READ", n)
+            write_s = self.transport.probe(peer, "WRITE", n)
+            mode = "read" if read_s <= write_s else "write"
+        gbps = (n * self.cfg.block_bytes) / (read_s if mode == "read" else write_s) / 1e9 \
+            if self.cfg.mode == "auto" else float("nan")
+        self.metrics.link_modes[conn.name] = mode
+        logger.info("ec-nixl link %s -> %s: mode=%s (probe %d KiB: READ %.1f us, WRITE %.1f us)",
+                    conn.name, self.cfg.name, mode, n * self.cfg.block_bytes >> 10, read_s * 1e6, write_s * 1e6)
+        slow = 5.0 if self.transport.arena.mem_type == "VRAM" else 0.5
+        if gbps == gbps and gbps < slow:
+            logger.warning(
+                "ec-nixl link %s uses %s at only %.2f GB/s: the path looks emulated (e.g. UCX tcp instead "
+                "of cuda_ipc/rdma/cma); check UCX_TLS and UCX_PROTO_INFO=y", conn.name, mode.upper(), gbps)
+        return mode
+
+    def _on_grant(self, conn: _Conn, msg: P.Grant) -> None:
+        batch = conn.by_req.pop(msg.req, None)
+        if batch is None:
+            return  # a late answer for tickets already failed
+        by_hash = {t.mm_hash: t for t in batch}
+        for s in msg.items:
+            t = by_hash.pop(s.mm_hash, None)
+            if t is None or t.state != PENDING:
+                continue
+            if s.status == "ready":
+                try:
+                    P.validate_state_matches(s, t.ref.desc, conn.peer.arena)
+                except ECNixlError as e:
+                    self._fail(t, str(e), "BAD_GRANT")
+                    continue
+                self._post_read(conn, t, s.block)
+            elif s.status in (P.Nack.NOT_READY.value, P.Nack.BUSY.value):
+                self.metrics.count("retries")
+                t.phase = "grant"
+                t.retry_at = time.monotonic() + 0.0005
+                self._retry.append(t)
+            else:
+                self.metrics.count("nacks")
+                self._fail(t, f"{s.status}: {s.detail}", s.status)
+        for t in by_hash.values():
+            self._fail(t, "producer's grant left this item out", "BAD_GRANT")
+
+    def _poll_reads(self) -> None:
+        still = []
+        for t in self._reads:
+            if t.state != PENDING:
+                continue
+            st = self.transport.poll(t.xfer)
+            if st == "PROC":
+                still.append(t)
+            elif st == "DONE":
+                self._landed(t)
+            else:
+                self._fail_xfer(t, f"READ from {t.ref.producer} failed (NIXL ERR)", "XFER_ERR")
+        self._reads = still
+
+    def _landed(self, t: LoadTicket) -> None:
+        t.t_done = time.perf_counter()
+        if t.xfer is not None:
+            tel = self.transport.telemetry(t.xfer)
+            self.transport.release(t.xfer)
+            if tel is not None:
+                self.metrics.transfer(t.ref.desc.nbytes, tel[0] * 1e-6, tel[1] * 1e-6, tel[3])
+            else:
+                self.metrics.transfer(t.ref.desc.nbytes, 0.0, t.t_done - t.t_post)
+            t.xfer = None
+        else:
+            self.metrics.transfer(t.ref.desc.nbytes, 0.0, t.t_done - t.t_post)
+        t.state, t.phase = LANDED, "done"
+        self.metrics.count("loads_landed")
+        self._changed = True
+
+    def _fail(self, t: LoadTicket, error: str, reason: str, retryable: bool = False) -> None:
+        """Fail a ticket whose slot no DMA can touch (none posted, or it finished)."""
+        if t.state != PENDING:
+            return
+        if t.slot is not None:
+            self.pool.release(t.slot)
+            t.slot = None
+        self._set_failed(t, error, reason, retryable)
+
+    def _fail_slot_safe(self, t: LoadTicket, error: str, reason: str) -> None:
+        self._fail(t, error, reason, retryable=reason in (P.Nack.NOT_READY.value, P.Nack.BUSY.value))
+
+    def _fail_xfer(self, t: LoadTicket, error: str, reason: str) -> None:
+        """Fail a ticket whose READ may still be running: its slot waits in quarantine."""
+        if t.state != PENDING:
+            return
+        slot, t.slot = t.slot, None
+        x, t.xfer = t.xfer, None
+        self.metrics.count("failed_transfers")
+        if x is not None and not self.transport.release(x):
+            self._zombies.append((x, slot))
+        elif slot is not None:
+            self.pool.quarantine(slot, self.cfg.quarantine_s, reason=reason)
+            self.metrics.count("quarantined")
+        self._set_failed(t, error, reason, False)
+
+    def _set_failed(self, t: LoadTicket, error: str, reason: str, retryable: bool) -> None:
+        t.state, t.phase, t.error, t.reason, t.retryable = FAILED, "done", error, reason, retryable
+        t.t_done = time.perf_counter()
+        self.metrics.count("loads_failed")
+        self.metrics.fail(reason)
+        self._changed = True
+
+    def _fail_conn(self, conn: _Conn, error: str, reason: str) -> None:
+        logger.warning("ec-nixl: %s", error)
+        conn.state, conn.error, conn.reason = "failed", error, reason
+        conn.t_start = time.monotonic()
+        waiting, conn.waiting = conn.waiting, []
+        for w in waiting:
+            if isinstance(w, LoadTicket):
+                self._fail(w, error, reason)
+        self._changed = True
+
+    def _lose_conn(self, conn: _Conn, error: str) -> None:
+        """The producer went away: fail what waits on it, quarantine what a DMA may touch."""
+        logger.warning("ec-nixl: %s", error)
+        for t in list(self._reads):
+            if t.state == PENDING and t.ref.producer == conn.address:
+                self._fail_xfer(t, error, "PEER_LOST")
+        for batch in conn.by_req.values():
+            for t in batch:
+                self._fail(t, error, "PEER_LOST")
+        conn.by_req.clear()
+        for t in conn.get_queue + conn.push_queue + conn.waiting:
+            if isinstance(t, LoadTicket):
+                self._fail(t, error, "PEER_LOST")
+        conn.get_queue, conn.push_queue, conn.waiting = [], [], []
+        for t in list(conn.pushed.values()):
+            # A WRITE may have been posted by the (maybe only partitioned) producer.
+            slot, t.slot = t.slot, None
+            if slot is not None:
+                self.pool.quarantine(slot, self.cfg.quarantine_s, reason="PEER_LOST")
+                self.metrics.count("quarantined")
+            self._set_failed(t, error, "PEER_LOST", False)
+        conn.pushed.clear()
+        for slot, _ in conn.zombies:
+            self.pool.quarantine(slot, self.cfg.quarantine_s, reason="PEER_LOST")
+        conn.zombies = []
+        for req in list(conn.replies):
+            conn.replies[req] = P.Refused(reason="UNREACHABLE", detail=error, req=req)
+        self._drop_conn(conn)
+        self._changed = True
+
+    def _drop_conn(self, conn: _Conn) -> None:
+        self._conns.pop(conn.address, None)
+        self._by_session.pop(conn.session, None)
+        for s in (conn.sock, conn.monitor):
+            try:
+                self._poller.unregister(s)
+            except KeyError:
+                pass
+        try:
+            conn.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        conn.monitor.close(0)
+        conn.sock.close(0)
+        if self.transport is not None and conn.name and conn.name in self.transport.peers:
+            self.transport.forget_peer(conn.name)
+
+    # ========================================================================================
+    # producer internals (owner thread)
+
+    def _serve_some(self) -> None:
+        for _ in range(256):
+            try:
+                identity, data = self._server.recv_multipart(zmq.NOBLOCK)[:2]
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # a frame count we never send: ignore
+            try:
+                msg = P.decode(data)
+            except ECNixlError as e:
+                self.metrics.fail("BAD_MESSAGE")
+                self._reply(identity, P.Refused(reason=P.Nack.BAD_REQUEST.value, detail=str(e)))
+                continue
+            try:
+                self._on_request(identity, msg)
+            except ECNixlError as e:
+                self._reply(identity, P.Refused(reason=P.Nack.BAD_REQUEST.value, detail=str(e),
+                                                req=getattr(msg, "req", 0)))
+            except Exception as e:  # never let one request take the server down
+                logger.exception("ec-nixl: request %s failed", type(msg).__name__)
+                self._reply(identity, P.Refused(reason=P.Nack.INTERNAL.value, detail=repr(e),
+                                                req=getattr(msg, "req", 0)))
+
+    def _reply(self, identity: bytes, msg) -> None:
+        try:
+            self._server.send_multipart([identity, P.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.debug("reply to %r dropped: %s", identity, e)
+
+    def _session(self, identity: bytes, sid: str, req: int) -> Optional[_Session]:
+        s = self._sessions.get(sid)
+        if s is None or s.identity != identity:
+            self.metrics.fail(P.Nack.UNKNOWN_SESSION.value)
+            self._reply(identity, P.Refused(reason=P.Nack.UNKNOWN_SESSION.value,
+                                            detail="no handshake for this session", req=req))
+            return None
+        s.last_seen = time.monotonic()
+        return s
+
+    def _on_request(self, identity: bytes, msg) -> None:
+        if isinstance(msg, P.Hello):
+            return self._on_hello(identity, msg)
+        sid = getattr(msg, "session", None)
+        if sid is None:
+            raise ProtocolError(f"{type(msg).__name__} is not a request")
+        s = self._session(identity, sid, getattr(msg, "req", 0))
+        if s is None:
+            return
+        if isinstance(msg, (P.Hold, P.Get)):
+            return self._on_hold_or_get(identity, s, msg)
+        if isinstance(msg, P.Push):
+            return self._on_push(identity, s, msg)
+        if isinstance(msg, P.Cancel):
+            return self._on_cancel(identity, s, msg)
+        if isinstance(msg, P.Heartbeat):
+            return self._reply(identity, P.Heartbeat(session=sid))
+        if isinstance(msg, P.Bye):
+            return self._end_session(s)
+        raise ProtocolError(f"unexpected {type(msg).__name__} from a consumer")
+
+    def _on_hello(self, identity: bytes, msg: P.Hello) -> None:
+        def refuse(reason: P.Nack, detail: str):
+            self.metrics.fail(reason.value)
+            logger.warning("ec-nixl: refused %s (%s): %s", msg.name, reason.value, detail)
+            self._reply(identity, P.Refused(reason=reason.value, detail=detail))
+
+        if not P.verify(msg, self._token):
+            return refuse(P.Nack.UNAUTHORIZED, "handshake not signed with the shared token")
+        if msg.version != P.PROTOCOL_VERSION:
+            return refuse(P.Nack.VERSION, f"protocol {msg.version} != {P.PROTOCOL_VERSION}")
+        if msg.compat != self.compat:
+            return refuse(P.Nack.INCOMPAT, f"compat hash {msg.compat} != {self.compat} "
+                          f"(model/dtype/width/block differ)")
+        peer = None
+        if msg.agent_md is not None and msg.arena is not None and self.transport is not None:
+            try:
+                peer = self.transport.add_peer(msg.agent_md, msg.arena, msg.incarnation)
+            except Exception as e:
+                return refuse(P.Nack.INCOMPAT, f"cannot add NIXL peer: {e}")
+        sid = secrets.token_hex(8)
+        self._sessions[sid] = _Session(sid, identity, msg.name, peer, msg.arena, msg.group)
+        w = P.Welcome(version=P.PROTOCOL_VERSION, compat=self.compat, name=self.cfg.name,
+                      incarnation=self.incarnation, session=sid, nonce=P.new_nonce(),
+                      agent_md=self.transport.metadata if self.transport else None,
+                      arena=self.transport.arena_info if self.transport else None)
+        P.sign(w, self._token, msg.nonce)
+        self._reply(identity, w)
+
+    def _on_hold_or_get(self, identity: bytes, s: _Session, msg) -> None:
+        pin = isinstance(msg, P.Get)
+        readers = max(1, min(int(msg.readers), 1024))
+        now = time.monotonic()
+        out = []
+        with self._lock:
+            for h in msg.mm_hashes:
+                item = self._items.get(h)
+                if item is None or item.expires_at <= 0.0:
+                    out.append(P.ItemState(mm_hash=h, status=P.Nack.MISSING.value,
+                                           detail=f"{self.cfg.name} does not hold {h}"))
+                    continue
+                item.held = True
+                item.interest[s.group] = max(item.interest.get(s.group, 1), readers)
+                item.expires_at = max(item.expires_at, now + self.cfg.announce_lease_s)
+                if not item.is_ready():
+                    out.append(P.ItemState(mm_hash=h, status=P.Nack.NOT_READY.value, detail="still being written"))
+                    continue
+                if pin:
+                    item.pins[(s.id, msg.reader)] = now + self.cfg.grant_lease_s
+                d = item.desc
+                out.append(P.ItemState(mm_hash=h, status="ready", block=item.slot.block, nbytes=d.nbytes,
+                                       shape=d.shape, dtype=d.dtype, lease_s=item.expires_at - now))
+        self._reply(identity, P.Grant(req=msg.req, items=out))
+
+    def _on_push(self, identity: bytes, s: _Session, msg: P.Push) -> None:
+        if s.peer is None:
+            raise ProtocolError("a control-only session cannot receive pushes")
+        failed = []
+        with self._lock:
+            for it in msg.items:
+                item = self._items.get(it.mm_hash)
+                if item is None or item.expires_at <= 0.0:
+                    failed.append(P.ItemState(mm_hash=it.mm_hash, status=P.Nack.MISSING.value,
+                                              detail=f"{self.cfg.name} does not hold {it.mm_hash}"))
+                    continue
+                n = P.blocks_for(item.desc.nbytes, s.arena.block)
+                if it.nbytes != item.desc.nbytes:
+                    failed.append(P.ItemState(mm_hash=it.mm_hash, status=P.Nack.BAD_REQUEST.value,
+                                              detail=f"asked for {it.nbytes} B, item has {item.desc.nbytes} B"))
+                    continue
+                if it.block < 0 or (it.block + n) * s.arena.block > s.arena.size:
+                    failed.append(P.ItemState(mm_hash=it.mm_hash, status=P.Nack.BAD_REQUEST.value,
+                                              detail=f"destination block {it.block} outside your arena"))
+                    continue
+                item.held = True
+                item.interest[s.group] = max(item.interest.get(s.group, 1), max(1, msg.readers))
+                item.expires_at = max(item.expires_at, time.monotonic() + self.cfg.announce_lease_s)
+                push = _Push(s.id, msg.reader, it.block, item.desc.nbytes, msg.req)
+                old = item.pushes.get((s.id, msg.reader))
+                if old is not None and old.state == "posted":
+                    failed.append(P.ItemState(mm_hash=it.mm_hash, status=P.Nack.BUSY.value,
+                                              detail="a push to this reader is still in flight"))
+                    continue
+                item.pushes[(s.id, msg.reader)] = push
+                self._active_pushes.append((item, push))
+        if failed:
+            self._reply(identity, P.PushFailed(req=msg.req, items=failed))
+        self._poll_pushes()
+
+    def _poll_pushes(self) -> None:
+        """Post queued pushes whose item is ready; finish the ones NIXL reports done."""
+        still = []
+        for item, push in self._active_pushes:
+            s = self._sessions.get(push.session)
+            key = (push.session, push.reader)
+            if item.pushes.get(key) is not push:
+                continue  # cancelled
+            if s is None:
+                self._end_push(item, push, ok=False)
+                continue
+            if push.state == "queued":
+                if not item.is_ready():
+                    still.append((item, push))
+                    continue
+                notif = P.encode_notif(P.NOTIF_WRITE_DONE, push.session, item.desc.mm_hash, push.reader)
+                try:
+                    push.xfer = self.transport.post("WRITE", s.peer, item.slot.block, push.block,
+                                                    item.slot.nblocks, notif)
+                except TransferFailed as e:
+                    self._push_failed(s, item, push, str(e))
+                    continue
+                push.state = "posted"
+            st = self.transport.poll(push.xfer)
+            if st == "PROC":
+                still.append((item, push))
+            elif st == "DONE":
+                tel = self.transport.telemetry(push.xfer)
+                self.transport.release(push.xfer)
+                if tel is not None:
+                    self.metrics.transfer(item.desc.nbytes, tel[0] * 1e-6, tel[1] * 1e-6, tel[3])
+                self._end_push(item, push, ok=True)
+            else:
+                self.metrics.count("failed_transfers")
+                if not self.transport.release(push.xfer):
+                    still.append((item, push))  # keep polling until NIXL lets it go
+                    push.state = "posted"
+                    continue
+                self._push_failed(s, item, push, f"WRITE to {s.name} failed (NIXL ERR)")
+        self._active_pushes = still
+
+    def _push_failed(self, s: _Session, item: _Item, push: _Push, detail: str) -> None:
+        self._end_push(item, push, ok=False)
+        try:
+            self._server.send_multipart([s.identity, P.encode(P.PushFailed(req=push.req, items=[
+                P.ItemState(mm_hash=item.desc.mm_hash, status="XFER_ERR", detail=detail)]))], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _end_push(self, item: _Item, push: _Push, ok: bool) -> None:
+        with self._lock:
+            item.pushes.pop((push.session, push.reader), None)
+            s = self._sessions.get(push.session)
+            if ok and s is not None:
+                item.done.setdefault(s.group, set()).add(push.reader)
+        self._maybe_free(item)
+
+    def _on_cancel(self, identity: bytes, s: _Session, msg: P.Cancel) -> None:
+        safe, in_flight = [], []
+        with self._lock:
+            for h in msg.mm_hashes:
+                item = self._items.get(h)
+                pushes = [] if item is None else [p for k, p in item.pushes.items() if k[0] == s.id]
+                busy = False
+                for p in pushes:
+                    if p.state == "posted" and p.xfer is not None and self.transport.poll(p.xfer) == "PROC" \
+                            and not self.transport.release(p.xfer):
+                        busy = True
+                        continue
+                    item.pushes.pop((s.id, p.reader), None)
+                (in_flight if busy else safe).append(h)
+        self._reply(identity, P.CancelAck(req=msg.req, safe=safe, in_flight=in_flight))
+
+    def _on_notif(self, agent: str, data: bytes) -> None:
+        n = P.decode_notif(data)
+        if n is None:
+            logger.debug("ignoring foreign notification from %s", agent)
+            return
+        kind, sid, mm_hash, reader = n
+        if kind == P.NOTIF_READ_DONE:
+            s = self._sessions.get(sid)
+            if s is None or s.name != agent:
+                return  # not a session of ours (or a forged one): ignore
+            with self._lock:
+                item = self._items.get(mm_hash)
+                if item is None:
+                    return
+                item.pins.pop((sid, reader), None)
+                item.done.setdefault(s.group, set()).add(reader)
+            self._maybe_free(item)
+        elif kind == P.NOTIF_WRITE_DONE:
+            conn = self._by_session.get(sid)
+            if conn is None or conn.name != agent:
+                return
+            t = conn.pushed.pop(mm_hash, None)
+            if t is not None and t.state == PENDING:
+                self._landed(t)
+
+    def _maybe_free(self, item: _Item) -> None:
+        with self._lock:
+            if item.busy():
+                return
+            gone = item.expires_at <= 0.0 or (self.cfg.free_when_consumed and item.satisfied())
+            if not gone or self._items.get(item.desc.mm_hash) is not item:
+                return
+            del self._items[item.desc.mm_hash]
+        self.pool.release(item.slot)
+
+    def _end_session(self, s: _Session) -> None:
+        self._sessions.pop(s.id, None)
+        group_left = any(o.group == s.group for o in self._sessions.values())
+        with self._lock:
+            items = list(self._items.values())
+            for item in items:
+                if not group_left:
+                    item.interest.pop(s.group, None)
+                for k in [k for k in item.pins if k[0] == s.id]:
+                    del item.pins[k]
+        for item in items:
+            self._maybe_free(item)
+        if s.peer is not None and not any(o.name == s.name for o in self._sessions.values()):
+            self.transport.forget_peer(s.name)
+
+    def _drain_notifs(self) -> None:
+        try:
+            notifs = self.transport.notifs()
+        except Exception as e:  # pragma: no cover
+            logger.warning("get_new_notifs failed: %s", e)
+            return
+        for agent, data in notifs:
+            self._on_notif(agent, data)
+
+    # ========================================================================================
+    # timers
+
+    def _tick(self, now: float) -> None:
+        # consumer: deadlines, retries, handshakes, heartbeats
+        for conn in list(self._conns.values()):
+            if conn.state == "connecting":
+                if now - conn.t_start > self.cfg.peer_timeout_s:
+                    self._fail_conn(conn, f"producer {conn.address} unreachable (no handshake in "
+                                    f"{self.cfg.peer_timeout_s:.1f}s)", "UNREACHABLE")
+                elif now - conn.last_hb > 0.2:  # IMMEDIATE drops sends before connect: resend
+                    conn.last_hb = now
+                    hello = P.Hello(version=P.PROTOCOL_VERSION, compat=self.compat, name=self.cfg.name,
+                                    incarnation=self.incarnation, nonce=conn.nonce,
+                                    agent_md=self.transport.metadata if self.transport else None,
+                                    arena=self.transport.arena_info if self.transport else None,
+                                    group=self.cfg.group or "")
+                    P.sign(hello, self._token)
+                    self._send(conn, hello)
+                continue
+            if conn.state != "ready":
+                continue
+            if conn.busy or any(r is None for r in conn.replies.values()):
+                if now - conn.last_heard > self.cfg.peer_timeout_s:
+                    self._lose_conn(conn, f"producer {conn.address} silent for {self.cfg.peer_timeout_s:.1f}s")
+                    continue
+                if now - conn.last_hb > self.cfg.heartbeat_s:
+                    conn.last_hb = now
+                    self._send(conn, P.Heartbeat(session=conn.session))
+            else:
+                conn.last_heard = max(conn.last_heard, now - self.cfg.heartbeat_s)
+            for req, batch in list(conn.by_req.items()):
+                if all(t.state != PENDING for t in batch):
+                    del conn.by_req[req]
+                    continue
+                for t in batch:
+                    if now >= t.deadline:
+                        self._fail(t, self._timeout_msg(t), "TIMEOUT", retryable=True)
+            for h, t in list(conn.pushed.items()):
+                if t.state != PENDING:
+                    conn.pushed.pop(h, None)
+                elif now >= t.deadline:
+                    conn.pushed.pop(h, None)
+                    slot, t.slot = t.slot, None
+                    conn.zombies.append((slot, now + self.cfg.quarantine_s))
+                    self.metrics.count("quarantined")
+                    self._send(conn, P.Cancel(session=conn.session, req=next(self._reqs), mm_hashes=[h]))
+                    self._set_failed(t, self._timeout_msg(t), "TIMEOUT", True)
+            if conn.zombies:
+                keep = []
+                for slot, until in conn.zombies:
+                    if now >= until + self.cfg.quarantine_s:
+                        self.pool.quarantine(slot, 0.0)  # no ack for long: producer must be gone
+                    else:
+                        keep.append((slot, until))
+                conn.zombies = keep
+        for t in self._reads:
+            if t.state == PENDING and now >= t.deadline:
+                self._fail_xfer(t, self._timeout_msg(t), "TIMEOUT")
+        if self._retry:
+            retry, self._retry = self._retry, []
+            for t in retry:
+                if t.state != PENDING:
+                    continue
+                if now >= t.deadline:
+                    self._fail(t, self._timeout_msg(t), "TIMEOUT", retryable=True)
+                elif now < t.retry_at:
+                    self._retry.append(t)
+                else:
+                    conn = self._conns.get(t.ref.producer)
+                    if conn is None or conn.state != "ready":
+                        self._fail(t, f"producer {t.ref.producer} lost", "PEER_LOST")
+                    else:
+                        self._dispatch(conn, t)
+        for conn in list(self._conns.values()):
+            for t in conn.waiting:
+                if isinstance(t, LoadTicket) and now >= t.deadline:
+                    self._fail(t, self._timeout_msg(t), "TIMEOUT", retryable=True)
+            conn.waiting = [w for w in conn.waiting if not isinstance(w, LoadTicket) or w.state == PENDING]
+        if self._zombies:
+            keep = []
+            for x, slot in self._zombies:
+                if self.transport.release(x):
+                    self.pool.quarantine(slot, self.cfg.quarantine_s, reason="ZOMBIE")
+                else:
+                    keep.append((x, slot))
+            self._zombies = keep
+        # producer: leases
+        if self._items:
+            self._expire_items(now)
+        if self.pool is not None:
+            self.pool.reclaim()
+
+    def _timeout_msg(self, t: LoadTicket) -> str:
+        waited = time.perf_counter() - t.t_start
+        return (f"item {t.mm_hash} from {t.ref.producer} not landed after {waited:.2f}s "
+                f"(stuck in phase '{t.phase}')")
+
+    def _expire_items(self, now: float) -> None:
+        expired = []
+        with self._lock:
+            for item in self._items.values():
+                for k, until in list(item.pins.items()):
+                    if now >= until:
+                        del item.pins[k]
+                        self.metrics.count("expired_pins")
+                if now >= item.expires_at and not item.busy():
+                    expired.append(item)
+            for item in expired:
+                del self._items[item.desc.mm_hash]
+        for item in expired:
+            if not item.satisfied():
+                self.metrics.count("expired_leases")
+                logger.info("ec-nixl: lease of %s expired unread", item.desc.mm_hash)
+            self.pool.release(item.slot)
+
+    # ========================================================================================
+
+    def stats(self) -> dict:
+        """Metrics snapshot plus pool occupancy and table sizes (plain data)."""
+        snap = self.metrics.snapshot()
+        if self.pool is not None:
+            snap["pool"] = vars(self.pool.stats())
+        with self._lock:
+            snap["items"] = len(self._items)
+        snap["sessions"] = len(self._sessions)
+        snap["peers"] = len(self._conns)
+        return snap
+
+    def close(self) -> None:
+        """Stop the I/O thread, say goodbye to producers, deregister and free the pool."""
+        if self._closed:
+            return
+
+        def bye():
+            for conn in list(self._conns.values()):
+                if conn.state == "ready":
+                    self._send(conn, P.Bye(session=conn.session))
+
+        try:
+            if self._thread is not None and self._thread.is_alive():
+                self._exec(bye)
+                time.sleep(0.01)
+            elif self.is_owner:
+                bye()
+        except Exception:
+            pass
+        self._closed = True
+        if self._thread is not None:
+            os.eventfd_write(self._wake_fd, 1)
+            self._thread.join(timeout=5)
+        for conn in list(self._conns.values()):
+            try:
+                self._drop_conn(conn)
+            except Exception:
+                pass
+        if self._server is not None:
+            self._server.close(0)
+        os.close(self._wake_fd)
+        if self.transport is not None:
+            if self._thread is not None:
+                self.transport.bind_owner()
+            self.transport.close()
+        if self.pool is not None:
+            self.pool.arena.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _by_reader(tickets: list[LoadTicket]) -> dict[tuple[int, int], list[LoadTicket]]:
+    out: dict[tuple[int, int], list[LoadTicket]] = {}
+    for t in tickets:
+        out.setdefault((t.ref.reader, t.ref.readers), []).append(t)
+    return out
+
+
+class _Both:
+    """A fence that completes when both fences have."""
+
+    def __init__(self, a: Fence, b: Fence):
+        self.a, self.b = a, b
+
+    def query(self) -> bool:
+        return self.a.query() and self.b.query()

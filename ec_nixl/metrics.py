@@ -1,0 +1,87 @@
+"""Transfer statistics of one endpoint: plain data, safe to ship between processes.
+
+The endpoint records every finished transfer and every notable event here; the vLLM adapter
+turns ``snapshot()`` into ``ECConnectorStats`` and Prometheus series. Values are lists of
+numbers and dicts of counters only, so they serialise with msgpack as vLLM requires.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+COUNTERS = (
+    "transfers",
+    "failed_transfers",
+    "bytes",
+    "descriptors",
+    "loads_landed",
+    "loads_failed",
+    "published",
+    "staging_copies",
+    "staging_bytes",
+    "expired_leases",
+    "expired_pins",
+    "quarantined",
+    "nacks",
+    "retries",
+    "admission_defers",
+    "local_fallbacks",
+)
+
+
+class Metrics:
+    """Counters plus per-transfer samples (seconds), reset on ``snapshot(reset=True)``."""
+
+    def __init__(self, max_samples: int = 4096):
+        self._lock = threading.Lock()
+        self._max = max_samples
+        self._reset()
+        self.link_modes: dict[str, str] = {}
+
+    def _reset(self) -> None:
+        self.counters: Counter = Counter()
+        self.xfer_s: list[float] = []
+        self.post_s: list[float] = []
+        self.sizes: list[int] = []
+        self.wait_s: list[float] = []
+        self.reasons: Counter = Counter()
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def fail(self, reason: str) -> None:
+        with self._lock:
+            self.reasons[reason] += 1
+
+    def transfer(self, nbytes: int, post_s: float, xfer_s: float, descs: int = 1) -> None:
+        with self._lock:
+            c = self.counters
+            c["transfers"] += 1
+            c["bytes"] += nbytes
+            c["descriptors"] += descs
+            if len(self.xfer_s) < self._max:
+                self.xfer_s.append(xfer_s)
+                self.post_s.append(post_s)
+                self.sizes.append(nbytes)
+
+    def wait(self, seconds: float) -> None:
+        with self._lock:
+            if len(self.wait_s) < self._max:
+                self.wait_s.append(seconds)
+
+    def snapshot(self, reset: bool = False) -> dict:
+        with self._lock:
+            snap = {
+                "counters": {k: int(self.counters.get(k, 0)) for k in COUNTERS},
+                "failure_reasons": dict(self.reasons),
+                "xfer_s": list(self.xfer_s),
+                "post_s": list(self.post_s),
+                "sizes": list(self.sizes),
+                "wait_s": list(self.wait_s),
+                "link_modes": dict(self.link_modes),
+            }
+            if reset:
+                self._reset()
+            return snap

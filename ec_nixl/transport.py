@@ -1,0 +1,272 @@
+"""NIXL transport: one agent per rank, the arena registered once, dlists prepped once.
+
+The local arena is registered with NIXL exactly once and described by one prepped descriptor
+list of fixed-size blocks (a single strided Nx5 row, so a 1 GiB arena costs one row, not
+16k). Each peer's arena is prepped once, at handshake. A transfer is then one
+``make_prepped_xfer`` over a contiguous range of block indices, which NIXL merges into a single
+DMA: no per-item registration and no staging copy.
+
+NIXL agents are not thread-safe in their default mode, so a ``Transport`` belongs to one
+*owner thread*: every method checks it is called there. This module owns the agent and its
+handles; it never decides policy (who reads what, when to give up: see ``endpoint``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ec_nixl.arena import Arena
+from ec_nixl.errors import ConfigError, TransferFailed
+from ec_nixl.protocol import ArenaInfo
+
+logger = logging.getLogger(__name__)
+
+# vLLM sets this before importing nixl to work around a rare UCX registration-cache leak.
+os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+
+
+def load_nixl():
+    """Import NIXL, or explain how to get it."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ConfigError(
+            f"NIXL is not importable ({e}); install it with `pip install nixl==1.5.1`"
+        ) from None
+    return nixl_agent, nixl_agent_config
+
+
+@dataclass
+class Peer:
+    """A remote agent whose arena is prepped for transfers."""
+
+    name: str
+    arena: ArenaInfo
+    dlist: object  # prepped remote dlist handle
+    incarnation: str
+
+
+class Xfer:
+    """One posted transfer (a NIXL request handle plus what it moves)."""
+
+    __slots__ = ("handle", "op", "peer", "nbytes", "state", "released")
+
+    def __init__(self, handle, op: str, peer: str, nbytes: int, state: str):
+        self.handle = handle
+        self.op = op
+        self.peer = peer
+        self.nbytes = nbytes
+        self.state = state
+        self.released = False
+
+
+class Transport:
+    """The rank's NIXL agent, its registered arena and its peers' prepped dlists."""
+
+    def __init__(
+        self,
+        name: str,
+        arena: Arena,
+        block_size: int,
+        backends: tuple[str, ...] = ("UCX",),
+        backend_params: Optional[dict[str, str]] = None,
+        telemetry: bool = True,
+    ):
+        nixl_agent, nixl_agent_config = load_nixl()
+        self.name = name
+        self.arena = arena
+        self.block_size = block_size
+        self._owner = threading.get_ident()
+        self._agent = nixl_agent(name, nixl_agent_config(backends=[], capture_telemetry=telemetry))
+        for b in backends:
+            params = dict(backend_params or {}) if b == "UCX" else {}
+            try:
+                self._agent.create_backend(b, params)
+            except Exception as e:
+                raise ConfigError(f"NIXL backend {b!r} could not be created ({e}); params={params}") from None
+        self._telemetry = telemetry
+        self._reg = self._agent.register_memory(
+            [(arena.base, arena.size, arena.device_id, "")], arena.mem_type
+        )
+        self.nblocks = arena.size // block_size
+        self._local = self._agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", self._strided(arena.base, self.nblocks, arena.device_id), arena.mem_type
+        )
+        self.metadata: bytes = self._agent.get_agent_metadata()
+        self.peers: dict[str, Peer] = {}
+
+    # --- ownership ----------------------------------------------------------------------
+
+    def bind_owner(self) -> None:
+        """Make the calling thread the owner (e.g. the endpoint's I/O thread at start)."""
+        self._owner = threading.get_ident()
+
+    def _check_owner(self) -> None:
+        if threading.get_ident() != self._owner:
+            raise RuntimeError("ec-nixl Transport used outside its owner thread (NIXL is not thread-safe)")
+
+    # --- description --------------------------------------------------------------------
+
+    def _strided(self, base: int, nblocks: int, device: int) -> np.ndarray:
+        return np.array([[base, self.block_size, device, self.block_size, nblocks]], dtype=np.uint64)
+
+    @property
+    def arena_info(self) -> ArenaInfo:
+        a = self.arena
+        return ArenaInfo(base=a.base, size=self.nblocks * self.block_size, block=self.block_size,
+                         mem_type=a.mem_type, device=a.device_id)
+
+    # --- peers --------------------------------------------------------------------------
+
+    def add_peer(self, md: bytes, arena: ArenaInfo, incarnation: str) -> Peer:
+        """Load a peer's metadata and prep its arena once; a restarted peer replaces the old one."""
+        self._check_owner()
+        if arena.block != self.block_size:
+            raise ConfigError(f"peer block size {arena.block} != local {self.block_size}")
+        name = self._agent.add_remote_agent(md)
+        name = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+        old = self.peers.get(name)
+        if old is not None:
+            if old.incarnation == incarnation:
+                return old
+            self._drop_dlist(old)
+        nblocks = arena.size // arena.block
+        dlist = self._agent.prep_xfer_dlist(name, self._strided(arena.base, nblocks, arena.device), arena.mem_type)
+        peer = Peer(name=name, arena=arena, dlist=dlist, incarnation=incarnation)
+        self.peers[name] = peer
+        try:
+            self._agent.make_connection(name)
+        except Exception as e:  # optional optimisation only
+            logger.debug("make_connection(%s) failed: %s", name, e)
+        return peer
+
+    def forget_peer(self, name: str) -> None:
+        """Drop a peer's dlist and metadata (peer gone or restarted)."""
+        self._check_owner()
+        peer = self.peers.pop(name, None)
+        if peer is not None:
+            self._drop_dlist(peer)
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as e:
+            logger.debug("remove_remote_agent(%s): %s", name, e)
+
+    def _drop_dlist(self, peer: Peer) -> None:
+        try:
+            peer.dlist.release()
+        except Exception as e:
+            logger.debug("release dlist of %s: %s", peer.name, e)
+
+    # --- transfers ----------------------------------------------------------------------
+
+    def post(self, op: str, peer: Peer, local_block: int, remote_block: int, nblocks: int,
+             notif: bytes = b"") -> Xfer:
+        """Post one READ (peer -> us) or WRITE (us -> peer) of ``nblocks`` contiguous blocks."""
+        self._check_owner()
+        if local_block < 0 or local_block + nblocks > self.nblocks:
+            raise TransferFailed(f"local blocks {local_block}+{nblocks} outside the arena", reason="BAD_RANGE")
+        if remote_block < 0 or (remote_block + nblocks) * peer.arena.block > peer.arena.size:
+            raise TransferFailed(f"remote blocks {remote_block}+{nblocks} outside {peer.name}'s arena",
+                                 reason="BAD_RANGE")
+        li = np.arange(local_block, local_block + nblocks, dtype=np.int32)
+        ri = np.arange(remote_block, remote_block + nblocks, dtype=np.int32)
+        try:
+            h = self._agent.make_prepped_xfer(op, self._local, li, peer.dlist, ri, notif)
+            state = self._agent.transfer(h)
+        except Exception as e:
+            raise TransferFailed(f"{op} with {peer.name} could not be posted: {e}", reason="POST") from None
+        return Xfer(h, op, peer.name, nblocks * self.block_size, state)
+
+    def poll(self, x: Xfer) -> str:
+        """Current state: DONE, PROC or ERR (sticky once final)."""
+        self._check_owner()
+        if x.state == "PROC":
+            try:
+                x.state = self._agent.check_xfer_state(x.handle)
+            except Exception as e:
+                logger.warning("check_xfer_state(%s) raised %s", x.peer, e)
+                x.state = "ERR"
+        return x.state
+
+    def telemetry(self, x: Xfer) -> Optional[tuple[float, float, int, int]]:
+        """(post_us, xfer_us, bytes, descriptors) of a finished transfer, if NIXL captured it."""
+        if not self._telemetry:
+            return None
+        try:
+            t = self._agent.get_xfer_telemetry(x.handle)
+            return float(t.postDuration), float(t.xferDuration), int(t.totalBytes), int(t.descCount)
+        except Exception:
+            return None
+
+    def release(self, x: Xfer) -> bool:
+        """Release (cancelling if active). False when NIXL cannot cancel: the DMA may still run."""
+        self._check_owner()
+        if x.released:
+            return True
+        try:
+            x.handle.release()
+        except Exception as e:
+            logger.debug("release of %s transfer with %s failed: %s", x.op, x.peer, e)
+            return False
+        x.released = True
+        return True
+
+    # --- notifications ------------------------------------------------------------------
+
+    def notifs(self) -> list[tuple[str, bytes]]:
+        self._check_owner()
+        out = []
+        for agent, msgs in self._agent.get_new_notifs().items():
+            name = agent.decode() if isinstance(agent, (bytes, bytearray)) else str(agent)
+            out.extend((name, m) for m in msgs)
+        return out
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        self._check_owner()
+        self._agent.send_notif(peer, msg)
+
+    # --- link probe ---------------------------------------------------------------------
+
+    def probe(self, peer: Peer, op: str, nblocks: int, reps: int = 3) -> float:
+        """Median seconds of ``reps`` transfers of block 0..nblocks (the reserved probe area)."""
+        self._check_owner()
+        times = []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            x = self.post(op, peer, 0, 0, nblocks)
+            deadline = t0 + 5.0
+            while self.poll(x) == "PROC":
+                if time.perf_counter() > deadline:
+                    self.release(x)
+                    return float("inf")
+            dt = time.perf_counter() - t0
+            ok = x.state == "DONE"
+            self.release(x)
+            if not ok:
+                return float("inf")
+            times.append(dt)
+        times = sorted(times[1:])  # the first one pays connection set-up
+        return times[len(times) // 2]
+
+    def close(self) -> None:
+        for name in list(self.peers):
+            try:
+                self.forget_peer(name)
+            except Exception:
+                pass
+        try:
+            self._local.release()
+        except Exception:
+            pass
+        try:
+            self._agent.deregister_memory(self._reg)
+        except Exception as e:
+            logger.debug("deregister: %s", e)
+        self._agent = None

@@ -1,0 +1,64 @@
+"""Builds the optional native extension ``ec_nixl._C`` from csrc/ when it can.
+
+Everything works without it (pure-Python fallbacks); set EC_NIXL_NO_EXT=1 to skip it, or
+EC_NIXL_REQUIRE_EXT=1 to make a failed build an error. Package metadata lives in pyproject.toml.
+"""
+
+import os
+import sys
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def native_extensions():
+    if os.environ.get("EC_NIXL_NO_EXT") == "1":
+        return [], {}
+    src = os.path.join("csrc", "ec_nixl_C.cpp")
+    if not os.path.exists(os.path.join(HERE, src)):
+        return [], {}
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
+    except Exception as e:  # no torch at build time: fall back to pure Python
+        print(f"ec-nixl: not building the native extension ({e})", file=sys.stderr)
+        return [], {}
+    sources = [src]
+    cu = os.path.join("csrc", "pack.cu")
+    use_cuda = CUDA_HOME is not None and os.path.exists(os.path.join(HERE, cu)) and \
+        os.environ.get("EC_NIXL_NO_CUDA_EXT") != "1"
+    if use_cuda:
+        ext = CUDAExtension("ec_nixl._C", sources + [cu], define_macros=[("EC_NIXL_WITH_CUDA", "1")],
+                            extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-gencode=arch=compute_90,code=sm_90",
+                                                                          "-gencode=arch=compute_80,code=sm_80"]},
+                            libraries=["cuda"])
+    else:
+        ext = CppExtension("ec_nixl._C", sources, extra_compile_args=["-O3"])
+    return [ext], {"build_ext": _Optional.wrap(BuildExtension)}
+
+
+class _Optional:
+    @staticmethod
+    def wrap(base):
+        class OptionalBuild(base):
+            def run(self):
+                try:
+                    super().run()
+                except Exception as e:
+                    if os.environ.get("EC_NIXL_REQUIRE_EXT") == "1":
+                        raise
+                    print(f"ec-nixl: native extension not built ({e}); using Python fallbacks", file=sys.stderr)
+
+            def build_extension(self, ext):
+                try:
+                    super().build_extension(ext)
+                except Exception as e:
+                    if os.environ.get("EC_NIXL_REQUIRE_EXT") == "1":
+                        raise
+                    print(f"ec-nixl: {ext.name} not built ({e}); using Python fallbacks", file=sys.stderr)
+
+        return OptionalBuild
+
+
+ext_modules, cmdclass = native_extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,0 +1,80 @@
+"""Shared fixtures: the device under test, consumer endpoints, producer processes.
+
+Every data-plane test runs on DRAM (always) and on VRAM (``gpu`` marker, only where CUDA and a
+NIXL build with CUDA are present). GPU tests are skipped by design on CPU-only machines.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+torch = pytest.importorskip("torch")
+
+
+def _cuda_ok() -> bool:
+    return torch.cuda.is_available()
+
+
+DEVICES = ["cpu"] + (["cuda"] if _cuda_ok() else [])
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("device") == "cuda":
+            item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    if request.param == "cuda" and not _cuda_ok():
+        pytest.skip("no CUDA device here (GPU tests run on the H200 machine)")
+    return request.param
+
+
+@pytest.fixture
+def make_consumer(device):
+    """Factory for consumer endpoints in this process (closed at teardown)."""
+    from ec_nixl.config import EndpointConfig
+    from ec_nixl.endpoint import Endpoint
+
+    made = []
+
+    def make(**kw):
+        kw.setdefault("name", f"consumer-{len(made)}-{os.getpid()}")
+        kw.setdefault("device", device)
+        kw.setdefault("pool_bytes", 256 << 20)
+        kw.setdefault("threaded", False)
+        ep = Endpoint(EndpointConfig(**kw))
+        if ep.pool is not None:
+            ep.pool.arena.bytes.fill_(0xAB)  # poison: an early hand-over would show
+        made.append(ep)
+        return ep
+
+    yield make
+    for ep in made:
+        ep.close()
+
+
+@pytest.fixture
+def make_producer(device):
+    """Factory for producer processes (closed, or killed, at teardown)."""
+    from peers import ProducerProcess
+
+    made = []
+
+    def make(**kw):
+        kw.setdefault("device", device)
+        kw.setdefault("pool_bytes", 256 << 20)
+        p = ProducerProcess(**kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()

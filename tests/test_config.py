@@ -1,0 +1,45 @@
+"""Configuration parsing: strings coerced, unknown keys listed, bad values named."""
+
+from __future__ import annotations
+
+import pytest
+
+from ec_nixl.config import EndpointConfig, parse_options, split_address
+from ec_nixl.errors import ConfigError
+
+
+def test_strings_are_coerced():
+    cfg = parse_options(EndpointConfig, {"load_timeout_s": "2.5", "threaded": "false", "pool_bytes": "1e8",
+                                         "backends": "UCX,GDS", "mode": "write", "token": "t"},
+                        fixed={"name": "x"})
+    assert cfg.load_timeout_s == 2.5 and cfg.threaded is False and cfg.pool_bytes == 100_000_000
+    assert cfg.backends == ("UCX", "GDS") and cfg.mode == "write"
+
+
+def test_unknown_key_lists_valid_ones():
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['load_timeout'\]; valid options are: .*load_timeout_s"):
+        parse_options(EndpointConfig, {"load_timeout": 3}, fixed={"name": "x"})
+
+
+@pytest.mark.parametrize("opts,msg", [
+    ({"threaded": "maybe"}, "expected a boolean"),
+    ({"pool_bytes": "lots"}, "pool_bytes"),
+    ({"mode": "sideways"}, "mode must be one of"),
+    ({"block_bytes": 1000}, "power of two"),
+    ({"load_timeout_s": -1}, "must be > 0"),
+    ({"listen": "nohost"}, "host:port"),
+    ({"pool_bytes": 1024}, "too small"),
+    ({"pool_bytes": True}, "boolean"),
+])
+def test_bad_values_are_named(opts, msg):
+    with pytest.raises(ConfigError, match=msg):
+        parse_options(EndpointConfig, opts, fixed={"name": "x"})
+
+
+def test_split_address():
+    assert split_address("10.0.0.1:15600") == ("10.0.0.1", 15600)
+    assert split_address("[::1]:5") == ("::1", 5)
+    assert split_address("h:0", allow_any_port=True) == ("h", 0)
+    for bad in ["h", "h:x", ":5", "h:70000", "h:0", 5]:
+        with pytest.raises(ConfigError):
+            split_address(bad)

@@ -1,0 +1,124 @@
+"""The pool allocator and slot lifetimes (no NIXL): fragmentation, reuse, fences, quarantine."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from ec_nixl.arena import Arena
+from ec_nixl.endpoint import Ready
+from ec_nixl.errors import ItemTooLarge, PoolExhausted
+from ec_nixl.pool import Pool
+
+BLOCK = 4096
+
+
+@pytest.fixture
+def pool(device):
+    arena = Arena(64 * BLOCK, device)
+    p = Pool(arena, BLOCK, reserved_blocks=1)
+    yield p
+    arena.close()
+
+
+def test_alignment_views_and_reserved_probe_area(pool):
+    a = pool.allocate(1)
+    b = pool.allocate(BLOCK + 1)
+    assert a.block == 1, "block 0 is the reserved probe area"
+    assert (a.nblocks, b.nblocks) == (1, 2)
+    assert a.offset % BLOCK == 0 and b.offset % BLOCK == 0
+    v = b.view((3, 5), torch.float32)
+    assert v.data_ptr() == pool.arena.base + b.offset and v.shape == (3, 5)
+    assert pool.stats().used == 3 * BLOCK
+
+
+def test_fragmentation_reuse_and_coalescing(pool):
+    rng = random.Random(0)
+    live = []
+    for _ in range(2000):
+        if live and (rng.random() < 0.5 or pool.stats().free < 8 * BLOCK):
+            pool.release(live.pop(rng.randrange(len(live))))
+        else:
+            try:
+                live.append(pool.allocate(rng.randint(1, 6 * BLOCK)))
+            except PoolExhausted:
+                pool.release(live.pop(0))
+        # no two live slots overlap
+        spans = sorted((s.block, s.block + s.nblocks) for s in live)
+        assert all(spans[i][1] <= spans[i + 1][0] for i in range(len(spans) - 1))
+    for s in live:
+        pool.release(s)
+    st = pool.stats()
+    assert st.used == 0 and st.slots == 0
+    assert st.largest_free == pool.capacity, "free extents did not coalesce back into one"
+    whole = pool.allocate(pool.capacity)
+    assert whole.nblocks == 63
+
+
+def test_no_reuse_while_held_or_fenced(pool):
+    s = pool.allocate(10 * BLOCK)
+    pool.hold(s)  # e.g. a transfer in flight
+    pool.release(s)
+    assert pool.stats().used == 10 * BLOCK, "freed while a hold remained"
+    fence = Ready(False)  # e.g. a CUDA event after the gather kernel
+    pool.release(s, fence)
+    assert s.state == "deferred" and pool.stats().used == 10 * BLOCK
+    others = [pool.allocate(BLOCK) for _ in range(5)]
+    assert all(not (s.block <= o.block < s.block + s.nblocks) for o in others)
+    pool.reclaim()
+    assert s.state == "deferred"
+    fence.set()
+    assert pool.reclaim() == 1 and s.state == "free"
+    for o in others:
+        pool.release(o)
+    assert pool.stats().used == 0
+
+
+def test_quarantine_waits_for_time_and_check(pool):
+    s = pool.allocate(BLOCK)
+    dma_over = Ready(False)
+    pool.quarantine(s, 0.05, check=dma_over.query, reason="timeout")
+    assert pool.stats().quarantined == 1
+    pool.reclaim()
+    assert s.state == "quarantined"
+    time.sleep(0.06)
+    pool.reclaim()
+    assert s.state == "quarantined", "freed while the DMA might still write"
+    dma_over.set()
+    pool.reclaim()
+    assert s.state == "free" and pool.stats().used == 0
+
+
+def test_too_large_and_exhausted_errors(pool):
+    with pytest.raises(ItemTooLarge, match="holds only"):
+        pool.allocate(pool.capacity + 1, tag="huge")
+    keep = pool.allocate(pool.capacity - BLOCK)
+    with pytest.raises(PoolExhausted, match="does not fit now") as e:
+        pool.allocate(2 * BLOCK, tag="next")
+    assert e.value.retryable
+    evicted = []
+
+    def evict(nbytes):
+        pool.release(keep)
+        evicted.append(nbytes)
+        return 1
+
+    got = pool.allocate(2 * BLOCK, evict=evict)
+    assert evicted == [2 * BLOCK] and got.nblocks == 2
+    assert pool.stats().evictions == 1
+
+
+def test_double_release_is_harmless(pool):
+    s = pool.allocate(BLOCK)
+    pool.release(s)
+    pool.release(s)
+    assert pool.stats().used == 0 and pool.stats().frees == 1
+
+
+def test_arena_contains(pool, device):
+    s = pool.allocate(BLOCK)
+    assert pool.arena.contains(s.bytes())
+    assert not pool.arena.contains(torch.zeros(4, device=device))

@@ -1,0 +1,337 @@
+"""Real NIXL transfers between real processes: round trips, the race, and failures.
+
+The producer runs in its own process (``peers.ProducerProcess``); the consumer runs here with its
+pool poisoned, so a hand-over before the bytes landed would fail the byte-exact checks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from ec_nixl.barrier import LoadBarrier
+from ec_nixl.endpoint import ItemRef
+from ec_nixl.errors import LoadFailed
+from peers import digest, make_item
+
+MODES = ["read", "write"]
+
+
+def refs_for(producer, descs, **kw):
+    return [ItemRef(desc=d, producer=producer.address, **kw) for d in descs]
+
+
+def fetch_and_check(cons, refs, specs, device) -> None:
+    """Load, wait, check every byte, give the slots back."""
+    tickets = cons.load(refs)
+    check(LoadBarrier(cons).wait(tickets), specs, device)
+    for t in tickets:
+        t.release()
+
+
+def check(out: dict, specs: list, device: str) -> None:
+    for mm_hash, shape, dtype, seed in specs:
+        got = out[mm_hash]
+        want = make_item(seed, shape, dtype, device)
+        assert got.shape == want.shape and got.dtype == want.dtype, mm_hash
+        assert digest(got) == digest(want), f"{mm_hash}: bytes differ"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_round_trip_dtypes_and_sizes(make_producer, make_consumer, device, mode):
+    prod = make_producer(pool_bytes=320 << 20)
+    cons = make_consumer(mode=mode, pool_bytes=320 << 20)
+    specs = [
+        ("one-row-bf16", (1, 3584), "bfloat16", 1),
+        ("qwen-1024px", (1369, 3584), "bfloat16", 2),  # 9.8 MB, one 1024x1024 image
+        ("fp16-odd", (777, 1000), "float16", 3),
+        ("fp32-small", (3, 5), "float32", 4),
+        ("big-64MiB", (8192, 2048), "float32", 5),  # 64 MiB
+        ("bf16-block-exact", (32, 1024), "bfloat16", 6),  # exactly one 64 KiB block
+    ]
+    descs = prod.call("publish", specs)
+    tickets = cons.load(refs_for(prod, descs))
+    out = LoadBarrier(cons).wait(tickets)
+    check(out, specs, device)
+    assert cons.metrics.link_modes[prod.name] == mode
+    for t in tickets:
+        t.release()
+    assert cons.pool.stats().used == 0
+    # Every declared reader read every item: the producer frees them all.
+    deadline = time.monotonic() + 5
+    while prod.call("stats")["pool"]["used"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert prod.call("stats")["pool"]["used"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_many_in_flight(make_producer, make_consumer, device, mode):
+    prod = make_producer()
+    cons = make_consumer(mode=mode)
+    g = torch.Generator().manual_seed(7)
+    specs = []
+    for i in range(48):
+        rows = int(torch.randint(1, 600, (1,), generator=g))
+        dtype = ["bfloat16", "float16", "float32"][i % 3]
+        specs.append((f"item-{i}", (rows, 512), dtype, 100 + i))
+    descs = prod.call("publish", specs)
+    tickets = cons.load(refs_for(prod, descs))
+    out = LoadBarrier(cons).wait(tickets)
+    check(out, specs, device)
+    stats = cons.stats()
+    assert stats["counters"]["loads_landed"] == 48
+    for t in tickets:
+        t.release()
+    assert cons.pool.stats().used == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_barrier_never_releases_early_with_throttled_producer(make_producer, make_consumer, device, mode):
+    """The producer announces an item but writes it only 0.4 s later (its 'encoder' is slow).
+
+    The barrier must wait for the bytes, not for the announcement: every byte is checked
+    against the final item, while the consumer slot starts poisoned and the producer slot
+    starts filled with 0x5A.
+    """
+    prod = make_producer()
+    cons = make_consumer(mode=mode)
+    delay = 0.4
+    spec = ("late", (1369, 3584), "bfloat16", 42)
+    desc = prod.call("publish_late", (*spec, delay))
+    t0 = time.monotonic()
+    tickets = cons.load(refs_for(prod, [desc]))
+    out = LoadBarrier(cons).wait(tickets)
+    waited = time.monotonic() - t0
+    assert waited >= delay * 0.9, f"barrier passed after {waited:.3f}s, before the data existed"
+    check(out, [spec], device)
+    assert cons.stats()["counters"]["retries"] >= 1 or mode == "write"
+
+
+def test_barrier_returns_at_once_for_landed_items(make_producer, make_consumer, device):
+    prod = make_producer()
+    cons = make_consumer(mode="read")
+    descs = prod.call("publish", [("a", (64, 64), "float32", 1)])
+    tickets = cons.load(refs_for(prod, descs))
+    barrier = LoadBarrier(cons)
+    barrier.wait(tickets)
+    t0 = time.perf_counter()
+    out = barrier.wait(tickets)
+    assert time.perf_counter() - t0 < 0.01
+    assert set(out) == {"a"}
+
+
+def test_hold_reports_place_and_enables_direct_read(make_producer, make_consumer, device):
+    """A Hold (what the vLLM scheduler sends) returns the block, so the worker READs at once."""
+    prod = make_producer()
+    cons = make_consumer(mode="read")
+    specs = [("held", (100, 256), "bfloat16", 9)]
+    descs = prod.call("publish", specs)
+    states = cons.hold(prod.address, ["held", "nope"], readers=1, timeout=5)
+    assert states["held"].status == "ready" and states["held"].block >= 0
+    assert states["nope"].status == "MISSING"
+    ref = ItemRef(desc=descs[0], producer=prod.address, block=states["held"].block,
+                  valid_until=time.time() + states["held"].lease_s - 1)
+    tickets = cons.load([ref])
+    out = LoadBarrier(cons).wait(tickets)
+    check(out, specs, device)
+
+
+def test_two_readers_each_get_a_copy(make_producer, make_consumer, device):
+    """Consumer TP=2: each rank reads; the producer frees only after both readers."""
+    prod = make_producer()
+    r0 = make_consumer(mode="read", group="engine-A")
+    r1 = make_consumer(mode="read", group="engine-A")
+    specs = [("shared", (300, 128), "float16", 11)]
+    descs = prod.call("publish", specs)
+    t0 = r0.load(refs_for(prod, descs, reader=0, readers=2))
+    check(LoadBarrier(r0).wait(t0), specs, device)
+    time.sleep(0.2)
+    assert prod.call("published") == ["shared"], "freed before the second reader read it"
+    t1 = r1.load(refs_for(prod, descs, reader=1, readers=2))
+    check(LoadBarrier(r1).wait(t1), specs, device)
+    deadline = time.monotonic() + 5
+    while prod.call("published") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert prod.call("published") == []
+
+
+# --------------------------------------------------------------------------------------------
+# bad input and failures: clear errors within a bounded time, nothing leaked, others unaffected
+
+
+def test_compat_mismatch_is_refused(make_producer, make_consumer, device):
+    prod = make_producer(compat={"model": "A", "width": 3584})
+    cons = make_consumer(compat={"model": "B", "width": 3584})
+    descs = prod.call("publish", [("x", (4, 4), "float32", 1)])
+    tickets = cons.load(refs_for(prod, descs))
+    with pytest.raises(LoadFailed) as e:
+        LoadBarrier(cons).wait(tickets)
+    assert "INCOMPAT" in str(e.value) or "incompatible" in str(e.value)
+    assert cons.pool.stats().used == 0
+
+
+def test_wrong_token_is_refused(make_producer, make_consumer, device):
+    prod = make_producer(token="s3cret")
+    cons = make_consumer(token="guess")
+    descs = prod.call("publish", [("x", (4, 4), "float32", 1)])
+    tickets = cons.load(refs_for(prod, descs))
+    with pytest.raises(LoadFailed) as e:
+        LoadBarrier(cons).wait(tickets)
+    assert "UNAUTHORIZED" in str(e.value) or "authentic" in str(e.value)
+    good = make_consumer(token="s3cret")
+    fetch_and_check(good, refs_for(prod, descs), [("x", (4, 4), "float32", 1)], device)
+
+
+def test_unknown_peer_fails_fast(make_consumer, device):
+    from ec_nixl import protocol as P
+
+    cons = make_consumer(peer_timeout_s=1.0)
+    desc = P.ItemDesc(mm_hash="ghost", shape=[4, 4], dtype="float32", nbytes=64)
+    t0 = time.monotonic()
+    tickets = cons.load([ItemRef(desc=desc, producer="127.0.0.1:1"),
+                         ItemRef(desc=desc, producer="not-an-address")])
+    with pytest.raises(LoadFailed) as e:
+        LoadBarrier(cons).wait(tickets)
+    assert time.monotonic() - t0 < 3
+    assert set(e.value.failures) == {"ghost"}
+    assert "not-an-address" in tickets[1].error
+    assert "unreachable" in tickets[0].error
+    assert cons.pool.stats().used == 0
+
+
+def test_missing_item_and_others_unaffected(make_producer, make_consumer, device):
+    from ec_nixl import protocol as P
+
+    prod = make_producer()
+    cons = make_consumer(mode="read")
+    specs = [("real", (10, 10), "float32", 3)]
+    descs = prod.call("publish", specs)
+    ghost = P.ItemDesc(mm_hash="ghost", shape=[10, 10], dtype="float32", nbytes=400)
+    tickets = cons.load(refs_for(prod, [descs[0], ghost]))
+    with pytest.raises(LoadFailed) as e:
+        LoadBarrier(cons).wait(tickets)
+    assert list(e.value.failures) == ["ghost"] and "MISSING" in e.value.failures["ghost"]
+    assert tickets[0].state == "landed"
+    check({"real": tickets[0].tensor()}, specs, device)
+    tickets[0].release()
+    assert cons.pool.stats().used == 0
+
+
+def test_shape_mismatch_is_rejected(make_producer, make_consumer, device):
+    from ec_nixl import protocol as P
+
+    prod = make_producer()
+    cons = make_consumer(mode="read")
+    descs = prod.call("publish", [("x", (10, 10), "float32", 3)])
+    lie = P.ItemDesc(mm_hash="x", shape=[5, 20], dtype="float32", nbytes=400)
+    tickets = cons.load(refs_for(prod, [lie]))
+    with pytest.raises(LoadFailed) as e:
+        LoadBarrier(cons).wait(tickets)
+    assert "announced" in e.value.failures["x"]
+    bad = P.ItemDesc(mm_hash="y", shape=[-1, 20], dtype="float32", nbytes=400)
+    with pytest.raises(LoadFailed) as e:
+        LoadBarrier(cons).wait(cons.load(refs_for(prod, [bad])))
+    assert "bad shape" in e.value.failures["y"]
+    assert cons.pool.stats().used == 0
+
+
+def test_item_larger_than_pool(make_producer, make_consumer, device):
+    prod = make_producer(pool_bytes=96 << 20)
+    cons = make_consumer(pool_bytes=16 << 20)
+    descs = prod.call("publish", [("big", (4096, 4096), "float32", 1), ("small", (8, 8), "float32", 2)])
+    tickets = cons.load(refs_for(prod, descs))
+    with pytest.raises(LoadFailed) as e:
+        LoadBarrier(cons).wait(tickets)
+    assert list(e.value.failures) == ["big"] and "pool" in e.value.failures["big"]
+    assert tickets[1].state == "landed"
+    tickets[1].release()
+    assert cons.pool.stats().used == 0
+    with pytest.raises(Exception) as e2:
+        prod.call("publish", [("too-big", (8192, 4096), "float32", 1)])
+    assert "ItemTooLarge" in str(e2.value)
+
+
+def test_malformed_messages_get_errors_and_server_keeps_serving(make_producer, make_consumer, device):
+    import zmq
+
+    from ec_nixl import protocol as P
+
+    prod = make_producer()
+    host, port = prod.address.rsplit(":", 1)
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"tcp://{host}:{port}")
+    s.setsockopt(zmq.RCVTIMEO, 3000)
+    for junk in [b"", b"\xff\xfe garbage", P.encode(P.Heartbeat(session="nope")),
+                 P.encode(P.Get(session="forged", req=1, mm_hashes=["x"]))]:
+        s.send(junk)
+        reply = P.decode(s.recv())
+        assert isinstance(reply, P.Refused), reply
+        assert reply.reason in ("BAD_REQUEST", "UNKNOWN_SESSION")
+    s.close()
+    cons = make_consumer()
+    specs = [("fine", (16, 16), "bfloat16", 5)]
+    descs = prod.call("publish", specs)
+    fetch_and_check(cons, refs_for(prod, descs), specs, device)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_producer_killed_while_consumer_waits(make_producer, make_consumer, device, mode):
+    prod = make_producer()
+    other = make_producer()
+    cons = make_consumer(mode=mode, quarantine_s=0.2, peer_timeout_s=2.0, load_timeout_s=10.0)
+    desc = prod.call("publish_late", ("never", (256, 256), "float32", 1, 3600.0))
+    ok_specs = [("fine", (64, 64), "float32", 2)]
+    ok_descs = other.call("publish", ok_specs)
+    tickets = cons.load(refs_for(prod, [desc]))
+    cons.wait_for(lambda: False, 0.3)  # let the request reach the producer
+    prod.kill()
+    t0 = time.monotonic()
+    with pytest.raises(LoadFailed) as e:
+        LoadBarrier(cons).wait(tickets)
+    assert time.monotonic() - t0 < 5.0
+    assert "never" in e.value.failures
+    # The consumer keeps serving other producers.
+    fetch_and_check(cons, refs_for(other, ok_descs), ok_specs, device)
+    cons.wait_for(lambda: cons.pool.stats().used == 0 and cons.pool.stats().quarantined == 0, 5)
+    st = cons.pool.stats()
+    assert st.used == 0 and st.quarantined == 0, st
+
+
+def test_producer_killed_mid_transfer_no_hang(make_producer, make_consumer, device):
+    """Kill the producer while a large READ is (likely) in flight: either outcome, never a hang."""
+    prod = make_producer(pool_bytes=600 << 20)
+    cons = make_consumer(mode="read", pool_bytes=600 << 20, quarantine_s=0.2, load_timeout_s=10.0)
+    specs = [(f"big{i}", (8192, 8192), "float16", i) for i in range(4)]  # 4 x 128 MiB
+    descs = prod.call("publish", specs, timeout=120)
+    tickets = cons.load(refs_for(prod, descs))
+    cons.progress(0)
+    prod.kill()
+    t0 = time.monotonic()
+    try:
+        LoadBarrier(cons).wait(tickets)
+    except LoadFailed:
+        pass
+    assert time.monotonic() - t0 < 10.0
+    for t in tickets:
+        if t.state == "landed":
+            t.release()
+    cons.wait_for(lambda: cons.pool.stats().used == 0, 10)
+    assert cons.pool.stats().used == 0
+
+
+def test_consumer_gone_producer_leases_expire(make_producer, make_consumer, device):
+    """A consumer that held items and vanished: the producer frees them when leases end."""
+    prod = make_producer(announce_lease_s=0.5, grant_lease_s=0.5)
+    cons = make_consumer(mode="read")
+    descs = prod.call("publish", [("orphan", (128, 128), "float32", 1)])
+    assert cons.hold(prod.address, ["orphan"], timeout=5)["orphan"].status == "ready"
+    cons.close()
+    deadline = time.monotonic() + 5
+    while prod.call("stats")["pool"]["used"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    st = prod.call("stats")
+    assert st["pool"]["used"] == 0 and st["counters"]["expired_leases"] == 1
