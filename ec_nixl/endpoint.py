@@ -449,8 +449,9 @@ class Endpoint:
     def publish(self, mm_hash: str, tensor: torch.Tensor, ready: Optional[Fence] = None) -> P.ItemDesc:
         """Pin ``tensor`` for transfer under ``mm_hash``; returns its description.
 
-        A tensor already inside the pool is adopted as is; any other is copied into a new slot
-        (on CUDA, on the current stream, guarded by an event: the copy never blocks the host).
+        A tensor that starts a pool slot (written there through ``reserve()``) is adopted as is,
+        taking a hold on its slot; any other is copied into a new slot (on CUDA, on the current
+        stream, guarded by an event: the copy never blocks the host) and counted as a staging copy.
         Publishing a hash that is already published only renews its lease.
         """
         pool = self._need_pool()
@@ -463,6 +464,11 @@ class Endpoint:
                 return item.desc
         if not tensor.is_contiguous():
             tensor = tensor.contiguous()
+        slot = pool.slot_at(tensor.data_ptr()) if pool.arena.contains(tensor) else None
+        if slot is not None:  # written straight into the pool (see reserve()): no copy
+            pool.hold(slot)
+            self._add_item(desc, slot, ready)
+            return desc
         slot = pool.allocate(desc.nbytes, tag=mm_hash, evict=self._evict if self.cfg.evict_unclaimed else None)
         try:
             dst = slot.bytes()

@@ -181,6 +181,17 @@ class Pool:
                 return slot
         return None
 
+    def slot_at(self, ptr: int) -> Optional[Slot]:
+        """The live slot whose bytes start exactly at device/host address ``ptr``, if any."""
+        off = ptr - self.arena.base
+        if off < 0 or off % self.block_size:
+            return None
+        with self._lock:
+            for slot in self._live.values():
+                if slot.block * self.block_size == off and slot.state == "live":
+                    return slot
+        return None
+
     def _free_blocks(self) -> int:
         return sum(self._lens)
 

@@ -335,3 +335,24 @@ def test_consumer_gone_producer_leases_expire(make_producer, make_consumer, devi
         time.sleep(0.1)
     st = prod.call("stats")
     assert st["pool"]["used"] == 0 and st["counters"]["expired_leases"] == 1
+
+
+def test_publish_adopts_tensors_already_in_the_pool(device):
+    """reserve() + writing in place + publish() is zero-copy: no staging copy is counted."""
+    from ec_nixl.config import EndpointConfig
+    from ec_nixl.endpoint import Endpoint
+
+    with Endpoint(EndpointConfig(name="adopt", device=device, pool_bytes=16 << 20, threaded=False)) as ep:
+        t = make_item(3, (100, 64), "bfloat16", device)
+        slot = ep.reserve(t.numel() * 2, tag="x")
+        view = slot.view(t.shape, t.dtype)
+        view.copy_(t)
+        slot_free_before = ep.pool.stats().used
+        ep.publish("x", view)
+        assert ep.stats()["counters"]["staging_copies"] == 0
+        ep.publish("y", t)
+        assert ep.stats()["counters"]["staging_copies"] == 1
+        assert ep.pool.stats().used > slot_free_before
+        ep.pool.release(slot)  # our own reservation hold; the item keeps its own
+        ep.unpublish("x"), ep.unpublish("y")
+        assert ep.pool.stats().used == 0
