@@ -186,13 +186,38 @@ class _Conn:
         self.push_queue: list[LoadTicket] = []
         self.by_req: dict[int, list[LoadTicket]] = {}
         self.pushed: dict[str, LoadTicket] = {}  # mm_hash -> ticket awaiting the W notification
-        self.replies: dict[int, object] = {}  # req -> reply, for hold()
+        self.holds: dict[int, "HoldRequest"] = {}  # req -> hold awaiting its answer
         self.zombies: list[tuple[Slot, float]] = []  # push targets awaiting a CancelAck
 
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.get_queue or self.push_queue or self.by_req or self.pushed
-                    or self.zombies)
+                    or self.zombies or self.holds)
+
+
+class HoldRequest:
+    """An asynchronous Hold; ``states`` is None until answered (or failed/timed out)."""
+
+    __slots__ = ("producer", "mm_hashes", "readers", "req", "deadline", "states")
+
+    def __init__(self, producer: str, mm_hashes: list[str], readers: int, req: int, deadline: float):
+        self.producer, self.mm_hashes, self.readers, self.req = producer, mm_hashes, readers, req
+        self.deadline = deadline
+        self.states: Optional[dict[str, P.ItemState]] = None
+
+    @property
+    def done(self) -> bool:
+        return self.states is not None
+
+    def answer(self, items: list[P.ItemState]) -> None:
+        got = {s.mm_hash: s for s in items if s.mm_hash in self.mm_hashes}
+        for h in self.mm_hashes:
+            got.setdefault(h, P.ItemState(mm_hash=h, status="BAD_GRANT", detail="left out of the answer"))
+        self.states = got
+
+    def finish(self, status: str, detail: str) -> None:
+        if self.states is None:
+            self.states = {h: P.ItemState(mm_hash=h, status=status, detail=detail) for h in self.mm_hashes}
 
 
 # --------------------------------------------------------------------------------------------
@@ -576,47 +601,30 @@ class Endpoint:
             self._exec(lambda: self._start(good))
         return tickets
 
-    def hold(self, producer: str, mm_hashes: list[str], readers: int = 1,
-             timeout: float = 1.0) -> dict[str, P.ItemState]:
+    def hold_async(self, producer: str, mm_hashes: list[str], readers: int = 1,
+                   timeout: float = 2.0) -> "HoldRequest":
         """Ask ``producer`` to keep items (extends their lease) and say where they are.
 
-        Returns one ItemState per hash; on timeout or a lost peer, every item gets status
-        ``"UNREACHABLE"`` or ``"TIMEOUT"`` (retryable from the caller's point of view).
+        Returns at once; ``HoldRequest.states`` fills in when the producer answers, or with
+        UNREACHABLE/TIMEOUT for every item when it cannot (never blocks the caller).
         """
-        split_address(producer)
-        req = next(self._reqs)
-        box: dict = {}
+        h = HoldRequest(producer, list(mm_hashes), readers, next(self._reqs), time.monotonic() + timeout)
+        try:
+            split_address(producer)
+        except ECNixlError as e:
+            h.finish("BAD_REQUEST", str(e))
+            return h
+        self._exec(lambda: self._send_hold(h))
+        return h
 
-        def send():
-            conn = self._conn(producer)
-            if conn.state == "failed":
-                box["error"] = conn.error
-                return
-            box["conn"] = conn
-            conn.replies[req] = None
-            msg = P.Hold(session="", req=req, mm_hashes=list(mm_hashes), readers=readers)
-            if conn.state == "ready":
-                msg.session = conn.session
-                self._send(conn, msg)
-            else:
-                conn.waiting.append(msg)  # type: ignore[arg-type]
-
-        self._exec(send)
-
-        def answered():
-            c = box.get("conn")
-            return "error" in box or (c is not None and (c.replies.get(req) is not None or c.state == "failed"))
-
-        ok = self.wait_for(answered, timeout)
-        conn = box.get("conn")
-        reply = conn.replies.pop(req, None) if conn is not None else None
-        if isinstance(reply, P.Grant):
-            return {s.mm_hash: s for s in reply.items}
-        status, detail = ("TIMEOUT", f"no answer from {producer} in {timeout:.3f}s") if ok is False else \
-            ("UNREACHABLE", box.get("error") or (conn.error if conn else "") or "no answer")
-        if isinstance(reply, P.Refused):
-            status, detail = reply.reason, reply.detail
-        return {h: P.ItemState(mm_hash=h, status=status, detail=detail) for h in mm_hashes}
+    def hold(self, producer: str, mm_hashes: list[str], readers: int = 1,
+             timeout: float = 1.0) -> dict[str, P.ItemState]:
+        """Blocking ``hold_async``: one ItemState per hash."""
+        h = self.hold_async(producer, mm_hashes, readers, timeout)
+        self.wait_for(lambda: h.done, timeout + 0.05)
+        if not h.done:
+            h.finish("TIMEOUT", f"no answer from {producer} in {timeout:.3f}s")
+        return h.states
 
     # ========================================================================================
     # consumer internals (owner thread)
@@ -653,6 +661,17 @@ class Endpoint:
         except zmq.Again:
             pass  # not connected yet: IMMEDIATE queues nothing; retried in _tick
         return conn
+
+    def _send_hold(self, h: "HoldRequest") -> None:
+        conn = self._conn(h.producer)
+        if conn.state == "failed":
+            return h.finish(conn.reason or "UNREACHABLE", conn.error)
+        conn.holds[h.req] = h
+        msg = P.Hold(session=conn.session, req=h.req, mm_hashes=h.mm_hashes, readers=h.readers)
+        if conn.state == "ready":
+            self._send(conn, msg)
+        else:
+            conn.waiting.append(msg)  # sent once the handshake completes
 
     def _start(self, tickets: list[LoadTicket]) -> None:
         for t in tickets:
@@ -759,15 +778,17 @@ class Endpoint:
             if conn.state == "connecting" or msg.req == 0:
                 return self._fail_conn(conn, f"producer {conn.address} refused: {msg.reason}: {msg.detail}",
                                        msg.reason)
-            if msg.req in conn.replies:
-                conn.replies[msg.req] = msg
+            h = conn.holds.pop(msg.req, None)
+            if h is not None:
+                h.finish(msg.reason, msg.detail)
                 self._changed = True
             for t in conn.by_req.pop(msg.req, []):
                 self._fail(t, f"{msg.reason}: {msg.detail}", msg.reason)
             return
         if isinstance(msg, P.Grant):
-            if msg.req in conn.replies:
-                conn.replies[msg.req] = msg
+            h = conn.holds.pop(msg.req, None)
+            if h is not None:
+                h.answer(msg.items)
                 self._changed = True
                 return
             return self._on_grant(conn, msg)
@@ -944,6 +965,9 @@ class Endpoint:
         for w in waiting:
             if isinstance(w, LoadTicket):
                 self._fail(w, error, reason)
+        for h in conn.holds.values():
+            h.finish(reason, error)
+        conn.holds.clear()
         self._changed = True
 
     def _lose_conn(self, conn: _Conn, error: str) -> None:
@@ -971,8 +995,9 @@ class Endpoint:
         for slot, _ in conn.zombies:
             self.pool.quarantine(slot, self.cfg.quarantine_s, reason="PEER_LOST")
         conn.zombies = []
-        for req in list(conn.replies):
-            conn.replies[req] = P.Refused(reason="UNREACHABLE", detail=error, req=req)
+        for h in conn.holds.values():
+            h.finish("UNREACHABLE", error)
+        conn.holds.clear()
         self._drop_conn(conn)
         self._changed = True
 
@@ -1299,7 +1324,12 @@ class Endpoint:
                 continue
             if conn.state != "ready":
                 continue
-            if conn.busy or any(r is None for r in conn.replies.values()):
+            for req, h in list(conn.holds.items()):
+                if now >= h.deadline:
+                    del conn.holds[req]
+                    h.finish("TIMEOUT", f"no answer from {conn.address} to a hold")
+                    self._changed = True
+            if conn.busy:
                 if now - conn.last_heard > self.cfg.peer_timeout_s:
                     self._lose_conn(conn, f"producer {conn.address} silent for {self.cfg.peer_timeout_s:.1f}s")
                     continue

@@ -283,8 +283,8 @@ def validate_item(desc: ItemDesc, *, width: Optional[int] = None, dtype: Optiona
         raise IncompatiblePeer(f"item {h}: width {desc.shape[-1]} but this model expects {width}")
 
 
-def validate_state_matches(state: ItemState, want: ItemDesc, arena: ArenaInfo) -> None:
-    """A producer's grant must describe exactly the item asked for and lie inside its arena."""
+def validate_state_matches(state: ItemState, want: ItemDesc, arena: Optional[ArenaInfo] = None) -> None:
+    """A producer's grant must describe exactly the item asked for (and lie inside its arena)."""
     from ec_nixl.errors import ProtocolError
 
     if state.mm_hash != want.mm_hash:
@@ -294,6 +294,10 @@ def validate_state_matches(state: ItemState, want: ItemDesc, arena: ArenaInfo) -
             f"item {want.mm_hash}: producer holds {state.shape} {state.dtype} ({state.nbytes} B), "
             f"announced {want.shape} {want.dtype} ({want.nbytes} B)"
         )
+    if arena is None:
+        if state.block < 0:
+            raise ProtocolError(f"item {want.mm_hash}: granted block {state.block} is negative")
+        return
     nblocks = blocks_for(state.nbytes, arena.block)
     if state.block < 0 or (state.block + nblocks) * arena.block > arena.size:
         raise ProtocolError(f"item {want.mm_hash}: granted block {state.block} lies outside the producer arena")
