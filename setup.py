@@ -19,19 +19,21 @@ def native_extensions():
     if not os.path.exists(os.path.join(HERE, src)):
         return [], {}
     try:
+        import torch
         from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension, CUDA_HOME
     except Exception as e:  # no torch at build time: fall back to pure Python
         print(f"ec-nixl: not building the native extension ({e})", file=sys.stderr)
         return [], {}
     sources = [src]
     cu = os.path.join("csrc", "pack.cu")
-    use_cuda = CUDA_HOME is not None and os.path.exists(os.path.join(HERE, cu)) and \
-        os.environ.get("EC_NIXL_NO_CUDA_EXT") != "1"
+    # The CUDA build needs nvcc and a CUDA torch; a CPU torch gets the CPU-only extension (pack).
+    use_cuda = CUDA_HOME is not None and torch.version.cuda is not None and \
+        os.path.exists(os.path.join(HERE, cu)) and os.environ.get("EC_NIXL_NO_CUDA_EXT") != "1"
     if use_cuda:
+        # No libcuda link: the driver calls are resolved at run time (cudaGetDriverEntryPointByVersion).
         ext = CUDAExtension("ec_nixl._C", sources + [cu], define_macros=[("EC_NIXL_WITH_CUDA", "1")],
                             extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-gencode=arch=compute_90,code=sm_90",
-                                                                          "-gencode=arch=compute_80,code=sm_80"]},
-                            libraries=["cuda"])
+                                                                          "-gencode=arch=compute_80,code=sm_80"]})
     else:
         ext = CppExtension("ec_nixl._C", sources, extra_compile_args=["-O3"])
     return [ext], {"build_ext": _Optional.wrap(BuildExtension)}

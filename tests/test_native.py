@@ -1,0 +1,247 @@
+"""ec_nixl.native: pack (native and Python, byte-exact, input errors) and the device-side flag.
+
+The DeviceFlag test runs its stream wait in a subprocess with a hard timeout: a wait that the GPU
+never releases stalls the stream forever, and must not hang the test suite with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from ec_nixl import native
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+IMPLS = [pytest.param(native.pack_python, id="python"),
+         pytest.param(native.pack_native, id="native",
+                      marks=pytest.mark.skipif(native.pack_native is None, reason="ec_nixl._C not built"))]
+
+DTYPES = [torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.int64, torch.bool,
+          torch.complex64]
+
+
+def _random_case(rng: random.Random, device: str, n: int, max_elems: int, align: int):
+    """n random tensors (random dtypes, some empty or 0-d) and non-overlapping offsets in a dst."""
+    srcs, offsets, pos = [], [], rng.randrange(0, 64)
+    for _ in range(n):
+        dtype = rng.choice(DTYPES)
+        k = rng.choice([0, 1, rng.randrange(1, max_elems)])
+        shape = () if k == 1 and rng.random() < 0.3 else (k,)
+        g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        t = torch.randint(0, 256, (max(k, 1) * torch.empty((), dtype=dtype).element_size(),), generator=g,
+                          dtype=torch.uint8).view(dtype)[:k].reshape(shape).to(device)
+        pos += rng.randrange(0, 3) * align or rng.randrange(0, 40)
+        pos = (pos + align - 1) // align * align
+        offsets.append(pos)
+        pos += t.numel() * t.element_size()
+        srcs.append(t)
+    order = list(range(n))
+    rng.shuffle(order)  # offsets need not follow the list order
+    srcs = [srcs[i] for i in order]
+    offsets = [offsets[i] for i in order]
+    return srcs, offsets, pos + rng.randrange(0, 64)
+
+
+def _expected(srcs, offsets, size, fill=0xAB):
+    out = bytearray([fill]) * size
+    for s, off in zip(srcs, offsets):
+        b = s.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        out[off : off + len(b)] = b
+    return bytes(out)
+
+
+def _check_random(impl, device: str, seeds, max_elems: int):
+    for seed in seeds:
+        rng = random.Random(seed)
+        align = rng.choice([1, 2, 16, 4096])
+        srcs, offsets, size = _random_case(rng, device, rng.randrange(0, 90), max_elems, align)
+        dst = torch.full((size,), 0xAB, dtype=torch.uint8, device=device)
+        impl(srcs, dst, offsets)
+        assert dst.cpu().numpy().tobytes() == _expected(srcs, offsets, size), f"seed {seed}"
+
+
+# --------------------------------------------------------------------------------------------
+# CPU
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pack_random_cpu(impl):
+    _check_random(impl, "cpu", range(40), 3000)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pack_large_and_in_place(impl):
+    src = torch.randn(1369, 3584).to(torch.bfloat16)  # one 9.8 MB Qwen2.5-VL item
+    dst = torch.zeros(src.numel() * 2 + 4096 + 7, dtype=torch.uint8)
+    adopted = dst[7 : 7 + 64].view(torch.uint8)  # already at its destination: skipped, not corrupted
+    adopted.copy_(torch.arange(64, dtype=torch.uint8))
+    impl([src, adopted], dst, [4096 + 7, 7])
+    assert torch.equal(dst[4096 + 7 :].clone().view(torch.bfloat16).view(1369, 3584), src)  # odd offset
+    assert torch.equal(dst[7:71], torch.arange(64, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(native.pack_native is None, reason="ec_nixl._C not built")
+def test_native_is_default_when_built():
+    assert native.IMPL == "native" and native.pack_native is not None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pack_errors(impl):
+    dst = torch.zeros(100, dtype=torch.uint8)
+    src = torch.ones(10, dtype=torch.float32)  # 40 bytes
+    cases = [
+        (([src], torch.zeros(100, dtype=torch.int8), [0]), "dst must be uint8"),
+        (([src], torch.zeros(200, dtype=torch.uint8)[::2], [0]), "dst must be contiguous"),
+        (([src], dst, [0, 1]), "1 tensors but 2 offsets"),
+        (([torch.ones(10, 2)[:, 0]], dst, [0]), r"srcs\[0\] is not contiguous"),
+        (([src], dst, [-1]), "does not fit"),
+        (([src], dst, [61]), "does not fit"),
+        (([src, src], dst, [0, 39]), "overlap"),
+        (([src, torch.ones(1, device="meta")], dst, [0, 50]), r"srcs\[1\] is on meta"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            impl(*args)
+    impl([src, src], dst, [0, 40])  # adjacent ranges are fine
+    impl([], dst, [])
+
+
+def _run_py(code: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("how", ["env", "missing"])
+def test_import_without_extension(how):
+    """With the extension disabled or absent, native imports and pack falls back to Python."""
+    hide = "import sys; sys.modules['ec_nixl._C'] = None" if how == "missing" else ""
+    r = _run_py(f"""
+        {hide}
+        import torch
+        from ec_nixl import native
+        assert native.IMPL == "python" and native.pack_native is None, native.IMPL
+        dst = torch.zeros(8, dtype=torch.uint8)
+        native.pack([torch.tensor([1, 2], dtype=torch.int16)], dst, [3])
+        assert dst.tolist() == [0, 0, 0, 1, 0, 2, 0, 0], dst.tolist()
+        if torch.version.cuda is None:
+            assert not native.DEVICE_WAIT_AVAILABLE
+        print("ok")
+    """, {"EC_NIXL_NATIVE": "0"} if how == "env" else {})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+@pytest.mark.skipif(native.DEVICE_WAIT_AVAILABLE, reason="device wait available here")
+def test_device_flag_unavailable_is_clear():
+    with pytest.raises(RuntimeError, match="device-side wait unavailable"):
+        native.DeviceFlag()
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pack_random_cuda(impl):
+    _check_random(impl, "cuda", range(30), 300_000)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pack_cuda_follows_current_stream(impl):
+    """pack is queued on the current stream: ordered after earlier work on it, before later work."""
+    s = torch.cuda.Stream()
+    srcs = [torch.full((1 << 20,), float(i), device="cuda") for i in range(70)]  # > 64: two launches
+    dst = torch.zeros(70 << 22, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(20_000_000)  # keep the stream busy for a while
+        for t in srcs:
+            t.add_(1)
+        impl(srcs, dst, [i << 22 for i in range(70)])
+        out = dst.view(torch.float32).view(70, -1).clone()
+    s.synchronize()
+    assert torch.equal(out, torch.arange(1, 71, dtype=torch.float32, device="cuda")[:, None].expand_as(out))
+
+
+_FLAG_CHILD = """
+import json, os, sys, threading, time
+import torch
+from ec_nixl import native
+
+flag = native.DeviceFlag(impl=sys.argv[1])
+stream = torch.cuda.Stream()  # a non-default stream
+x = torch.zeros(1, device="cuda")
+torch.cuda.synchronize()
+target = flag.wait_on(stream)
+with torch.cuda.stream(stream):
+    x.add_(1)
+done = torch.cuda.Event()
+done.record(stream)
+time.sleep(0.01)
+early = done.query()  # must be False: nothing has written the flag yet
+signalled = []
+
+def signaller():
+    time.sleep(0.05)
+    signalled.append(time.perf_counter())
+    flag.signal(target)
+
+threading.Thread(target=signaller, daemon=True).start()
+t_done, before_signal, deadline = None, False, time.perf_counter() + 2.0
+while time.perf_counter() < deadline:
+    seen = bool(signalled)
+    if done.query():
+        t_done, before_signal = time.perf_counter(), not seen
+        break
+    time.sleep(0.0002)
+res = {"early": early, "completed": t_done is not None, "before_signal": before_signal,
+       "latency_s": (t_done - signalled[0]) if t_done and signalled else None,
+       "x": x.item() if t_done else None, "word": flag.value}
+print("RESULT " + json.dumps(res), flush=True)
+os._exit(0)  # a stuck stream could hang the CUDA teardown: leave at once
+"""
+
+
+def _flag_impls():
+    impls = []
+    if native.NATIVE_WITH_CUDA:
+        impls.append("native")
+    try:
+        import cuda.bindings.driver  # noqa: F401
+        impls.append("cuda-bindings")
+    except Exception:
+        pass
+    return impls or ["none"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("impl", _flag_impls())
+def test_device_flag_stream_wait(impl):
+    if impl == "none":
+        pytest.skip("neither ec_nixl._C with CUDA nor cuda-bindings here")
+    try:  # the watchdog: a stuck stream can never hang the suite
+        r = subprocess.run([sys.executable, "-c", _FLAG_CHILD, impl], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("DeviceFlag child did not finish within 60 s (stream stuck?)")
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, f"child failed (rc {r.returncode}):\n{r.stdout}\n{r.stderr}"
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res["early"] is False, f"the stream ran past an unsignalled wait: {res}"
+    assert res["completed"], f"the stream did not resume within 2 s of the host store: {res}"
+    assert not res["before_signal"], res
+    assert res["x"] == 1.0, res
