@@ -1,4 +1,5 @@
-"""The ``ec-nixl`` command: ``bench`` (transfer microbenchmarks) and ``serve-disagg`` (E -> PD launcher)."""
+"""The ``ec-nixl`` command: ``bench`` (transfer microbenchmarks), ``serve-disagg`` (E -> PD
+launcher) and ``status`` (a producer's pool occupancy and counters)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: ec-nixl {bench,serve-disagg} [options]   (ec-nixl COMMAND --help for details)"
+    usage = "usage: ec-nixl {bench,serve-disagg,status} [options]   (ec-nixl COMMAND --help for details)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
@@ -20,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
         from ec_nixl.disagg.launcher import main as serve_main
 
         return serve_main(rest)
+    if cmd == "status":
+        return status_main(rest)
     if cmd in ("-V", "--version"):
         from ec_nixl import __version__
 
@@ -27,6 +30,33 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"ec-nixl: unknown command {cmd!r}\n{usage}", file=sys.stderr)
     return 2
+
+
+def status_main(argv: list[str]) -> int:
+    """Print a producer's statistics as JSON (handshakes like a consumer, so --token may be needed)."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="ec-nixl status", description=status_main.__doc__)
+    ap.add_argument("address", help="producer side channel, host:port (ec_ip:ec_port of its TP rank 0)")
+    ap.add_argument("--token", default=None)
+    ap.add_argument("--timeout", type=float, default=5.0)
+    a = ap.parse_args(argv)
+    from ec_nixl.config import EndpointConfig
+    from ec_nixl.endpoint import Endpoint
+    from ec_nixl.errors import ECNixlError
+
+    try:
+        ep = Endpoint(EndpointConfig(name="ec-nixl-status", pool_bytes=0, threaded=False, token=a.token,
+                                     observer=True, peer_timeout_s=a.timeout))
+        try:
+            print(json.dumps(ep.query_stats(a.address, timeout=a.timeout), indent=1, default=str))
+        finally:
+            ep.close()
+    except (ECNixlError, ValueError) as e:
+        print(f"ec-nixl status: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

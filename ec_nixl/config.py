@@ -57,6 +57,8 @@ class EndpointConfig:
     """A slot whose DMA outcome is unknown stays unused at least this long."""
     probe_bytes: int = 1 << 20
     """Size of the READ/WRITE probes timed at handshake (the reserved start of the pool)."""
+    observer: bool = False
+    """Connect to producers only to read their statistics (no compat hash needed, no data)."""
     threaded: bool = True
     """Run an I/O thread that owns NIXL; otherwise the creating thread drives progress."""
     free_when_consumed: bool = True

@@ -186,7 +186,7 @@ class _Conn:
         self.push_queue: list[LoadTicket] = []
         self.by_req: dict[int, list[LoadTicket]] = {}
         self.pushed: dict[str, LoadTicket] = {}  # mm_hash -> ticket awaiting the W notification
-        self.holds: dict[int, "HoldRequest"] = {}  # req -> hold awaiting its answer
+        self.holds: dict[int, "HoldRequest | StatsRequest"] = {}  # req -> query awaiting its answer
         self.zombies: list[tuple[Slot, float]] = []  # push targets awaiting a CancelAck
 
     @property
@@ -199,6 +199,7 @@ class HoldRequest:
     """An asynchronous Hold; ``states`` is None until answered (or failed/timed out)."""
 
     __slots__ = ("producer", "mm_hashes", "readers", "req", "deadline", "states")
+    kind = "hold"
 
     def __init__(self, producer: str, mm_hashes: list[str], readers: int, req: int, deadline: float):
         self.producer, self.mm_hashes, self.readers, self.req = producer, mm_hashes, readers, req
@@ -218,6 +219,44 @@ class HoldRequest:
     def finish(self, status: str, detail: str) -> None:
         if self.states is None:
             self.states = {h: P.ItemState(mm_hash=h, status=status, detail=detail) for h in self.mm_hashes}
+
+    def message(self, session: str):
+        return P.Hold(session=session, req=self.req, mm_hashes=self.mm_hashes, readers=self.readers)
+
+    def resolve(self, msg) -> None:
+        if isinstance(msg, P.Grant):
+            self.answer(msg.items)
+        else:
+            self.finish("BAD_REPLY", f"unexpected {type(msg).__name__}")
+
+
+class StatsRequest:
+    """An asynchronous Stats query; ``stats`` is None until answered, ``error`` set on failure."""
+
+    __slots__ = ("producer", "req", "deadline", "stats", "error")
+    kind = "stats"
+
+    def __init__(self, producer: str, req: int, deadline: float):
+        self.producer, self.req, self.deadline = producer, req, deadline
+        self.stats: Optional[dict] = None
+        self.error = ""
+
+    @property
+    def done(self) -> bool:
+        return self.stats is not None or bool(self.error)
+
+    def message(self, session: str):
+        return P.Stats(session=session, req=self.req)
+
+    def resolve(self, msg) -> None:
+        if isinstance(msg, P.StatsReply):
+            self.stats = dict(msg.stats)
+        else:
+            self.finish("BAD_REPLY", f"unexpected {type(msg).__name__}")
+
+    def finish(self, status: str, detail: str) -> None:
+        if not self.done:
+            self.error = f"{status}: {detail}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,10 +311,12 @@ class _Item:
 
 
 class _Session:
-    __slots__ = ("id", "identity", "name", "peer", "last_seen", "arena", "group")
+    __slots__ = ("id", "identity", "name", "peer", "last_seen", "arena", "group", "observer")
 
-    def __init__(self, sid: str, identity: bytes, name: str, peer: Optional[Peer], arena, group: str):
+    def __init__(self, sid: str, identity: bytes, name: str, peer: Optional[Peer], arena, group: str,
+                 observer: bool = False):
         self.id = sid
+        self.observer = observer  # may only read statistics
         self.group = group or sid
         self.identity = identity
         self.name = name
@@ -294,7 +335,7 @@ class Endpoint:
         self.cfg = cfg
         self.metrics = Metrics()
         self.incarnation = secrets.token_hex(8)
-        self.compat = P.compat_hash({**cfg.compat, "block": cfg.block_bytes})
+        self.compat = "" if cfg.observer else P.compat_hash({**cfg.compat, "block": cfg.block_bytes})
         self._token = cfg.token.encode() if cfg.token else None
         self._owner = threading.get_ident()
         self._lock = threading.Lock()  # items table (caller threads publish, owner serves)
@@ -662,16 +703,25 @@ class Endpoint:
             pass  # not connected yet: IMMEDIATE queues nothing; retried in _tick
         return conn
 
-    def _send_hold(self, h: "HoldRequest") -> None:
+    def _send_hold(self, h: "HoldRequest | StatsRequest") -> None:
         conn = self._conn(h.producer)
         if conn.state == "failed":
             return h.finish(conn.reason or "UNREACHABLE", conn.error)
         conn.holds[h.req] = h
-        msg = P.Hold(session=conn.session, req=h.req, mm_hashes=h.mm_hashes, readers=h.readers)
         if conn.state == "ready":
-            self._send(conn, msg)
+            self._send(conn, h.message(conn.session))
         else:
-            conn.waiting.append(msg)  # sent once the handshake completes
+            conn.waiting.append(h)  # sent once the handshake completes
+
+    def query_stats(self, producer: str, timeout: float = 2.0) -> dict:
+        """A producer's ``stats()`` (pool occupancy, counters), over an authenticated session."""
+        r = StatsRequest(producer, next(self._reqs), time.monotonic() + timeout)
+        split_address(producer)
+        self._exec(lambda: self._send_hold(r))
+        self.wait_for(lambda: r.done, timeout + 0.05)
+        if r.stats is None:
+            raise TransferFailed(f"no statistics from {producer}: {r.error or 'timed out'}", reason="STATS")
+        return r.stats
 
     def _start(self, tickets: list[LoadTicket]) -> None:
         for t in tickets:
@@ -785,13 +835,15 @@ class Endpoint:
             for t in conn.by_req.pop(msg.req, []):
                 self._fail(t, f"{msg.reason}: {msg.detail}", msg.reason)
             return
-        if isinstance(msg, P.Grant):
+        if isinstance(msg, (P.Grant, P.StatsReply)):
             h = conn.holds.pop(msg.req, None)
             if h is not None:
-                h.answer(msg.items)
+                h.resolve(msg)
                 self._changed = True
                 return
-            return self._on_grant(conn, msg)
+            if isinstance(msg, P.Grant):
+                self._on_grant(conn, msg)
+            return
         if isinstance(msg, P.PushFailed):
             for s in msg.items:
                 t = conn.pushed.pop(s.mm_hash, None)
@@ -821,7 +873,7 @@ class Endpoint:
         if msg.version != P.PROTOCOL_VERSION:
             return self._fail_conn(conn, f"producer {conn.address} speaks protocol {msg.version}, "
                                    f"we speak {P.PROTOCOL_VERSION}", "VERSION")
-        if msg.compat != self.compat:
+        if msg.compat != self.compat and not self.cfg.observer:
             return self._fail_conn(conn, f"producer {conn.address} is incompatible (compat hash "
                                    f"{msg.compat} != {self.compat}: model/dtype/width/block differ)", "INCOMPAT")
         conn.session, conn.name, conn.incarnation = msg.session, msg.name, msg.incarnation
@@ -838,11 +890,10 @@ class Endpoint:
         self._by_session[conn.session] = conn
         waiting, conn.waiting = conn.waiting, []
         for w in waiting:
-            if isinstance(w, P.Hold):
-                w.session = conn.session
-                self._send(conn, w)
-            else:
+            if isinstance(w, LoadTicket):
                 self._dispatch(conn, w)
+            else:
+                self._send(conn, w.message(conn.session))
 
     def _choose_mode(self, conn: _Conn) -> str:
         """Time a small READ and WRITE over the real path; pick the faster unless forced."""
@@ -1070,12 +1121,18 @@ class Endpoint:
         s = self._session(identity, sid, getattr(msg, "req", 0))
         if s is None:
             return
+        if s.observer and not isinstance(msg, (P.Stats, P.Heartbeat, P.Bye)):
+            self.metrics.fail(P.Nack.UNAUTHORIZED.value)
+            return self._reply(identity, P.Refused(reason=P.Nack.UNAUTHORIZED.value, req=getattr(msg, "req", 0),
+                                                   detail="an observer session may only read statistics"))
         if isinstance(msg, (P.Hold, P.Get)):
             return self._on_hold_or_get(identity, s, msg)
         if isinstance(msg, P.Push):
             return self._on_push(identity, s, msg)
         if isinstance(msg, P.Cancel):
             return self._on_cancel(identity, s, msg)
+        if isinstance(msg, P.Stats):
+            return self._reply(identity, P.StatsReply(req=msg.req, stats=self.stats()))
         if isinstance(msg, P.Heartbeat):
             return self._reply(identity, P.Heartbeat(session=sid))
         if isinstance(msg, P.Bye):
@@ -1092,7 +1149,8 @@ class Endpoint:
             return refuse(P.Nack.UNAUTHORIZED, "handshake not signed with the shared token")
         if msg.version != P.PROTOCOL_VERSION:
             return refuse(P.Nack.VERSION, f"protocol {msg.version} != {P.PROTOCOL_VERSION}")
-        if msg.compat != self.compat:
+        observer = msg.compat == "" and msg.agent_md is None
+        if msg.compat != self.compat and not observer:
             return refuse(P.Nack.INCOMPAT, f"compat hash {msg.compat} != {self.compat} "
                           f"(model/dtype/width/block differ)")
         peer = None
@@ -1102,7 +1160,7 @@ class Endpoint:
             except Exception as e:
                 return refuse(P.Nack.INCOMPAT, f"cannot add NIXL peer: {e}")
         sid = secrets.token_hex(8)
-        self._sessions[sid] = _Session(sid, identity, msg.name, peer, msg.arena, msg.group)
+        self._sessions[sid] = _Session(sid, identity, msg.name, peer, msg.arena, msg.group, observer)
         w = P.Welcome(version=P.PROTOCOL_VERSION, compat=self.compat, name=self.cfg.name,
                       incarnation=self.incarnation, session=sid, nonce=P.new_nonce(),
                       agent_md=self.transport.metadata if self.transport else None,
@@ -1327,7 +1385,7 @@ class Endpoint:
             for req, h in list(conn.holds.items()):
                 if now >= h.deadline:
                     del conn.holds[req]
-                    h.finish("TIMEOUT", f"no answer from {conn.address} to a hold")
+                    h.finish("TIMEOUT", f"no answer from {conn.address} to a {h.kind}")
                     self._changed = True
             if conn.busy:
                 if now - conn.last_heard > self.cfg.peer_timeout_s:

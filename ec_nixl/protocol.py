@@ -188,6 +188,18 @@ class CancelAck(msgspec.Struct, tag="cancel_ack"):
     in_flight: list[str]
 
 
+class Stats(msgspec.Struct, tag="stats"):
+    """Ask a producer for its statistics and pool occupancy (operators, tests)."""
+
+    session: str
+    req: int
+
+
+class StatsReply(msgspec.Struct, tag="stats_reply"):
+    req: int
+    stats: dict = {}
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
     session: str
 
@@ -207,6 +219,8 @@ Message = Union[
     PushFailed,
     Cancel,
     CancelAck,
+    Stats,
+    StatsReply,
     Heartbeat,
     Bye,
 ]

@@ -356,3 +356,24 @@ def test_publish_adopts_tensors_already_in_the_pool(device):
         ep.pool.release(slot)  # our own reservation hold; the item keeps its own
         ep.unpublish("x"), ep.unpublish("y")
         assert ep.pool.stats().used == 0
+
+
+def test_observer_reads_stats_but_cannot_take_items(make_producer, device):
+    """`ec-nixl status`: an observer session needs no compat hash but may only read statistics."""
+    import subprocess
+    import sys
+
+    from ec_nixl.config import EndpointConfig
+    from ec_nixl.endpoint import Endpoint
+
+    prod = make_producer(compat={"model": "secret-model"})
+    prod.call("publish", [("x", (8, 8), "float32", 1)])
+    with Endpoint(EndpointConfig(name="obs", pool_bytes=0, threaded=False, observer=True)) as obs:
+        st = obs.query_stats(prod.address, timeout=5)
+        assert st["items"] == 1 and st["pool"]["used"] > 0
+        held = obs.hold(prod.address, ["x"], timeout=5)
+        assert held["x"].status == "UNAUTHORIZED"
+    out = subprocess.run([sys.executable, "-m", "ec_nixl.cli", "status", prod.address], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert '"items": 1' in out.stdout

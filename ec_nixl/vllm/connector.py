@@ -1,0 +1,122 @@
+"""NixlECConnector: the vLLM ``ECConnectorBase`` subclass, a thin router by role.
+
+vLLM builds the connector twice per engine: once in the EngineCore (role SCHEDULER) and once in
+every worker rank (role WORKER). Each hook goes to the delegate of its role
+(``scheduler.SchedulerSide`` or ``worker.WorkerSide``); nothing else happens here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
+
+from ec_nixl.vllm.metadata import NixlECMetadata
+from ec_nixl.vllm.options import parse_extra, placement
+from ec_nixl.vllm.stats import NixlECConnectorStats, NixlECPromMetrics
+
+logger = logging.getLogger("ec_nixl.vllm")
+
+
+class NixlECConnector(ECConnectorBase):
+    def __init__(self, vllm_config, role: ECConnectorRole):
+        super().__init__(vllm_config=vllm_config, role=role)
+        ec = vllm_config.ec_transfer_config
+        self.opts = parse_extra(ec.ec_connector_extra_config)
+        self.scheduler = self.worker = None
+        if role == ECConnectorRole.SCHEDULER:
+            from ec_nixl.vllm.scheduler import SchedulerSide
+
+            self.scheduler = SchedulerSide(vllm_config, self.opts, placement(vllm_config, worker=False))
+        else:
+            from ec_nixl.vllm.worker import WorkerSide
+
+            self.worker = WorkerSide(vllm_config, self.opts, placement(vllm_config, worker=True))
+
+    def _meta(self) -> NixlECMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, NixlECMetadata), type(meta)
+        return meta
+
+    # ---------------------------------------------------------------- worker hooks
+
+    def start_worker_services(self) -> None:
+        if self.worker is not None:
+            self.worker.start_services()
+
+    def start_save_caches(self, **kwargs: Any) -> None:
+        cache = kwargs.get("encoder_cache")
+        if self.worker is not None and cache is not None:
+            self.worker.start_save_caches(cache, self._meta())
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs) -> None:
+        if self.worker is not None and self.is_producer:
+            self.worker.save_caches(encoder_cache, mm_hash)
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs) -> None:
+        if self.worker is not None and self.is_consumer:
+            self.worker.start_load_caches(encoder_cache, self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        if self.worker is not None:
+            self.worker.get_finished()
+        return None, None
+
+    def build_connector_worker_meta(self):
+        return self.worker.worker_meta() if self.worker is not None else None
+
+    # ---------------------------------------------------------------- scheduler hooks
+
+    def has_cache_item(self, identifier: str) -> bool:
+        return self.scheduler is not None and self.scheduler.has_cache_item(identifier)
+
+    def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
+        return self.scheduler is None or self.scheduler.ensure_cache_available(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, index: int) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_state_after_alloc(request, index)
+
+    def update_state_after_free(self, request, index: int) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_state_after_free(request, index)
+
+    def build_connector_meta(self, scheduler_output) -> ECConnectorMetadata:
+        if self.scheduler is None:
+            return NixlECMetadata()
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_connector_output(connector_output)
+
+    def take_unavailable_requests(self) -> set[str]:
+        return self.scheduler.take_unavailable_requests() if self.scheduler is not None else set()
+
+    def request_finished(self, request) -> tuple[bool, Optional[dict[str, Any]]]:
+        if self.scheduler is None:
+            return False, None
+        return self.scheduler.request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return False  # producers serve from their own I/O thread: no engine steps needed
+
+    # ---------------------------------------------------------------- both
+
+    def get_ec_connector_stats(self):
+        return self.scheduler.get_stats() if self.scheduler is not None else None
+
+    def shutdown(self) -> None:
+        for side in (self.scheduler, self.worker):
+            if side is not None:
+                side.shutdown()
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: Optional[dict[str, Any]] = None):
+        return NixlECConnectorStats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return NixlECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,184 @@
+"""NixlECConnector settings: vLLM's ECTransferConfig plus typed ``ec_connector_extra_config``.
+
+vLLM passes ``ec_connector_extra_config`` through untouched (JSON strings stay strings), so every
+key is parsed and validated here; an unknown key fails start-up with the list of valid ones.
+The standard fields keep Mooncake-compatible meanings: ``ec_ip``/``ec_port`` (rank r of data
+parallel rank d serves on ``ec_port + d*tp + r``), ``ec_buffer_size`` (pool bytes per rank),
+``ec_buffer_device`` and ``engine_id`` (NIXL agent names are ``{engine_id}-dp{d}-tp{r}``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ec_nixl.config import EndpointConfig, parse_options
+from ec_nixl.errors import ConfigError
+
+FALLBACKS = ("auto", "fail")
+
+
+@dataclass
+class NixlECOptions:
+    """Every key accepted in ``ec_connector_extra_config`` (all optional)."""
+
+    mode: str = "auto"
+    """'read' (consumer pulls), 'write' (producer pushes) or 'auto' (time both at handshake)."""
+    backends: tuple = ("UCX",)
+    backend_params: dict = field(default_factory=dict)
+    """Backend init parameters, e.g. {"ucx_error_handling_mode": "peer"}."""
+    token: Optional[str] = None
+    """Shared secret every producer and consumer must hold (HMAC over the handshake)."""
+    block_bytes: int = 64 << 10
+    load_timeout_s: float = 5.0
+    """Longest a worker waits for an admitted item's bytes before failing its request."""
+    admission_timeout_s: float = 30.0
+    """Longest a request waits for its producer to have its items ready."""
+    admission_wait_s: float = 0.005
+    """How long the scheduler may block on a request's first sight for the producer's answer
+    (saves deferring a whole engine step when the producer answers fast)."""
+    missing_grace_s: float = 2.0
+    """A producer may not have (re)published an item yet: MISSING is retried this long."""
+    announce_lease_s: float = 60.0
+    grant_lease_s: float = 30.0
+    heartbeat_s: float = 1.0
+    peer_timeout_s: float = 5.0
+    quarantine_s: float = 10.0
+    fallback: str = "auto"
+    """'auto': re-encode locally when the request carries its media, else fail it; 'fail'."""
+    advertise_host: Optional[str] = None
+    """Host put in ec_transfer_params (default ec_ip; set it when ec_ip is 0.0.0.0)."""
+    compat_model_id: Optional[str] = None
+    """What must match between producer and consumer (default: the model path/name)."""
+
+    def __post_init__(self) -> None:
+        if self.fallback not in FALLBACKS:
+            raise ConfigError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
+        for f in ("admission_timeout_s", "missing_grace_s"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"{f} must be >= 0")
+        if self.admission_wait_s < 0 or self.admission_wait_s > 1:
+            raise ConfigError("admission_wait_s must be within 0..1 s (it blocks the scheduler)")
+
+
+@dataclass
+class Placement:
+    """Where this process sits: roles, ranks, ports, names, device."""
+
+    engine_id: str
+    dp_rank: int
+    tp_size: int
+    tp_rank: int
+    reader: int
+    """This rank's index among the ``readers`` ranks of the engine that each load every item."""
+    readers: int
+    ip: str
+    base_port: int
+    device: str
+    pool_bytes: int
+    is_producer: bool
+    is_consumer: bool
+
+    @property
+    def serving_rank(self) -> bool:
+        """Producers serve from TP rank 0 only: encoder outputs are identical on every rank."""
+        return self.is_producer and self.tp_rank == 0
+
+    @property
+    def port(self) -> int:
+        return self.base_port + self.dp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def producer_port(self) -> int:
+        return self.base_port + self.dp_rank * self.tp_size
+
+    @property
+    def agent_name(self) -> str:
+        return f"{self.engine_id}-dp{self.dp_rank}-tp{self.tp_rank}"
+
+    @property
+    def group(self) -> str:
+        return f"{self.engine_id}-dp{self.dp_rank}"
+
+
+def parse_extra(extra: dict) -> NixlECOptions:
+    return parse_options(NixlECOptions, dict(extra or {}))
+
+
+def placement(vllm_config, worker: bool) -> Placement:
+    """Derive ranks, ports and device from vLLM's config (and parallel state in workers)."""
+    ec = vllm_config.ec_transfer_config
+    par = vllm_config.parallel_config
+    tp_size = int(getattr(par, "tensor_parallel_size", 1))
+    pcp = int(getattr(par, "prefill_context_parallel_size", 1) or 1)
+    dp_rank = int(getattr(par, "data_parallel_rank", 0) or 0)
+    tp_rank = pcp_rank = 0
+    if worker:
+        try:
+            from vllm.distributed.parallel_state import get_pcp_group, get_tensor_model_parallel_rank
+
+            tp_rank = int(get_tensor_model_parallel_rank())
+            pcp_rank = int(get_pcp_group().rank_in_group) if pcp > 1 else 0
+        except Exception:
+            tp_rank = pcp_rank = 0
+    device = (ec.ec_buffer_device or "cuda").lower()
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            device = "cpu"  # CPU platform: the pool lives in DRAM (ec_buffer_device defaults to cuda)
+        elif worker:
+            device = f"cuda:{torch.cuda.current_device()}"
+    elif device not in ("cpu",):
+        raise ConfigError(f"ec_buffer_device {ec.ec_buffer_device!r} is not supported: use 'cuda' or 'cpu'")
+    pool = int(ec.ec_buffer_size)
+    if pool <= 0:
+        raise ConfigError(f"ec_buffer_size must be positive, got {ec.ec_buffer_size}")
+    return Placement(
+        engine_id=str(ec.engine_id),
+        dp_rank=dp_rank,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        reader=pcp_rank * tp_size + tp_rank,
+        readers=tp_size * pcp,
+        ip=str(ec.ec_ip),
+        base_port=int(ec.ec_port),
+        device=device,
+        pool_bytes=pool,
+        is_producer=bool(ec.is_ec_producer),
+        is_consumer=bool(ec.is_ec_consumer),
+    )
+
+
+def compat_fields(vllm_config, opts: NixlECOptions) -> dict:
+    mc = vllm_config.model_config
+    return {"model": opts.compat_model_id or str(mc.model), "dtype": str(mc.dtype).removeprefix("torch."),
+            "ec_nixl": 1}
+
+
+def endpoint_config(p: Placement, opts: NixlECOptions, compat: dict, *, control_only: bool) -> EndpointConfig:
+    """The core endpoint of one process: a worker rank (pool + NIXL) or a scheduler (control only)."""
+    serve = p.serving_rank and not control_only
+    return EndpointConfig(
+        name=p.agent_name + ("-sched" if control_only else ""),
+        device=p.device,
+        pool_bytes=0 if control_only else p.pool_bytes,
+        block_bytes=opts.block_bytes,
+        listen=f"{p.ip}:{p.port}" if serve else None,
+        advertise=f"{opts.advertise_host}:{p.port}" if serve and opts.advertise_host else None,
+        compat=compat,
+        group=p.group,
+        token=opts.token,
+        mode=opts.mode,
+        backends=tuple(opts.backends),
+        backend_params=dict(opts.backend_params),
+        load_timeout_s=opts.load_timeout_s,
+        announce_lease_s=opts.announce_lease_s,
+        grant_lease_s=opts.grant_lease_s,
+        heartbeat_s=opts.heartbeat_s,
+        peer_timeout_s=opts.peer_timeout_s,
+        quarantine_s=opts.quarantine_s,
+        # A serving producer must answer while its engine idles; a consumer-only worker is driven
+        # by the model-runner thread itself (no thread hand-offs on the load path).
+        threaded=serve or control_only,
+    )

@@ -1,0 +1,327 @@
+"""Scheduler-side delegate of NixlECConnector (runs in the EngineCore process).
+
+Consumer: admission gating. A request carrying ``ec_transfer_params`` is admitted only once each
+remote item's producer has confirmed, over the control plane, that the item is ready and held for
+us (a lease, renewed while the request waits). Only then does ``has_cache_item`` say True, so the
+scheduler never plans an external load that cannot land. An item that cannot be had is encoded
+locally when the request carries its media, otherwise the request fails with a message naming
+the item and the reason; it never reaches the gather missing. The holds go through this process's
+own control-only endpoint, not through worker hooks, which vLLM skips on steps with no tokens.
+
+Producer: ``request_finished`` announces each encoded item (shape, dtype, bytes, producer
+address) in ``ec_transfer_params`` and returns False (delay-free would leak the request).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ec_nixl import protocol as P
+from ec_nixl.endpoint import Endpoint, HoldRequest
+from ec_nixl.metrics import Metrics
+from ec_nixl.vllm.metadata import LoadSpec, NixlECMetadata, NixlECWorkerMeta, RemoteItem, build_params, parse_params
+from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
+from ec_nixl.vllm.stats import NixlECConnectorStats, merge_data
+
+logger = logging.getLogger("ec_nixl.vllm")
+
+_RETRY = {P.Nack.NOT_READY.value, P.Nack.BUSY.value, "TIMEOUT"}
+_HOLD_REFRESH_S = 0.5  # re-hold a waiting request's items when less than this fraction of the lease is left
+
+
+@dataclass
+class _Item:
+    remote: RemoteItem
+    has_media: bool
+    offset_end: int  # placeholder offset + length: consumed once num_computed_tokens passes it
+    status: str = "holding"  # holding | ready | local | failed
+    hold: Optional[HoldRequest] = None
+    next_try: float = 0.0
+    detail: str = ""
+
+
+@dataclass
+class _Admission:
+    req_id: str
+    items: dict[str, _Item]
+    t0: float = field(default_factory=time.monotonic)
+    failed: str = ""
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config, opts: NixlECOptions, place: Placement):
+        self.vllm_config = vllm_config
+        self.opts = opts
+        self.place = place
+        self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        self.metrics = Metrics()
+        self.endpoint: Optional[Endpoint] = None
+        if place.is_consumer:
+            self.endpoint = Endpoint(endpoint_config(place, opts, compat_fields(vllm_config, opts), control_only=True))
+        self._reqs: dict[str, _Admission] = {}
+        self._ready: dict[str, LoadSpec] = {}  # mm_hash -> where to load it from (held)
+        self._users: dict[str, set[str]] = {}  # mm_hash -> request ids that need it
+        self._loads: list[LoadSpec] = []
+        self._unavailable: set[str] = set()
+        self._worker_stats: Optional[dict] = None
+        self._publish: list[str] = []
+        self._release: list[str] = []
+        self._loaded: set[str] = set()  # remote items handed to workers, not yet released
+        self._resolver = None
+        self._media_fields: dict[str, set[str]] = {}
+        self._width_warned = False
+
+    # ================================================================ consumer: admission
+
+    def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
+        if self.endpoint is None:
+            return True
+        adm = self._reqs.get(request.request_id)
+        if adm is None:
+            adm = self._admit(request)
+            if adm is None:
+                return True
+            self._send_holds(adm)
+            holds = [it.hold for it in adm.items.values() if it.hold is not None]
+            if holds and self.opts.admission_wait_s > 0:
+                self.endpoint.wait_for(lambda: all(h.done for h in holds), self.opts.admission_wait_s)
+        if adm.failed:
+            return False
+        pending = False
+        now = time.monotonic()
+        for h, it in adm.items.items():
+            if it.offset_end <= num_computed_tokens or it.status == "local":
+                continue
+            if it.status == "ready":
+                spec = self._ready.get(h)
+                if spec is not None and it.hold is None and \
+                        time.time() > spec.valid_until - self.opts.announce_lease_s * _HOLD_REFRESH_S:
+                    it.hold = self.endpoint.hold_async(it.remote.producer, [h], self.place.readers)
+                if it.hold is not None and it.hold.done:
+                    self._refresh(h, it)
+                continue
+            self._advance(adm, h, it, now)
+            if adm.failed:
+                break
+            pending |= it.status == "holding"
+        if adm.failed:
+            self._unavailable.add(adm.req_id)
+            return False
+        if pending:
+            self._send_holds(adm)
+            self.metrics.count("admission_defers")
+            return False
+        return True
+
+    def _admit(self, request) -> Optional[_Admission]:
+        params = getattr(request, "ec_transfer_params", None)
+        if not params or not request.mm_features:
+            return None
+        expected = {f.identifier: f.mm_position.get_num_embeds() for f in request.mm_features}
+        items, errors = parse_params(params, expected, self.dtype)
+        adm = _Admission(request.request_id, {})
+        by_id = {f.identifier: f for f in request.mm_features}
+        for h, remote in items.items():
+            f = by_id[h]
+            adm.items[h] = _Item(remote, self._has_media(f), f.mm_position.offset + f.mm_position.length)
+            self._users.setdefault(h, set()).add(request.request_id)
+        for h, why in errors.items():
+            f = by_id.get(h)
+            msg = f"request {request.request_id}: bad ec_transfer_params for item {h}: {why}"
+            if f is not None and self._has_media(f) and self.opts.fallback == "auto":
+                logger.warning("%s; encoding it locally", msg)
+                self.metrics.count("local_fallbacks")
+            else:
+                logger.error("%s", msg)
+                adm.failed = msg
+        if not adm.items and not adm.failed:
+            return None
+        self._reqs[request.request_id] = adm
+        if adm.failed:
+            self._unavailable.add(request.request_id)
+        return adm
+
+    def _send_holds(self, adm: _Admission) -> None:
+        """One Hold per producer for the items still waiting (and not already asked)."""
+        now = time.monotonic()
+        by_producer: dict[str, list[str]] = {}
+        for h, it in adm.items.items():
+            if it.status == "holding" and it.hold is None and now >= it.next_try:
+                by_producer.setdefault(it.remote.producer, []).append(h)
+        for producer, hashes in by_producer.items():
+            hr = self.endpoint.hold_async(producer, hashes, self.place.readers,
+                                          timeout=max(1.0, self.opts.peer_timeout_s))
+            for h in hashes:
+                adm.items[h].hold = hr
+
+    def _advance(self, adm: _Admission, h: str, it: _Item, now: float) -> None:
+        if it.hold is None or not it.hold.done:
+            if now - adm.t0 > self.opts.admission_timeout_s:
+                self._give_up(adm, h, it, f"not ready at its producer after {self.opts.admission_timeout_s:.1f}s")
+            return
+        state = it.hold.states[h]
+        it.hold = None
+        if state.status == "ready":
+            try:
+                P.validate_state_matches(state, it.remote.desc)
+            except Exception as e:
+                return self._give_up(adm, h, it, f"producer answered inconsistently: {e}")
+            it.status = "ready"
+            self._ready[h] = LoadSpec("", it.remote.desc, it.remote.producer, state.block,
+                                      time.time() + max(0.0, state.lease_s - 1.0))
+            return
+        retry = state.status in _RETRY or (state.status == P.Nack.MISSING.value
+                                           and now - adm.t0 < self.opts.missing_grace_s)
+        if retry and now - adm.t0 < self.opts.admission_timeout_s:
+            it.next_try = now + min(0.05, 0.002 * (1 + now - adm.t0) * 10)
+            it.detail = f"{state.status}: {state.detail}"
+            return
+        self._give_up(adm, h, it, f"{state.status}: {state.detail}")
+
+    def _refresh(self, h: str, it: _Item) -> None:
+        state = it.hold.states[h]
+        it.hold = None
+        spec = self._ready.get(h)
+        if state.status == "ready" and spec is not None:
+            spec.valid_until = time.time() + max(0.0, state.lease_s - 1.0)
+
+    def _give_up(self, adm: _Admission, h: str, it: _Item, why: str) -> None:
+        msg = f"encoder output {h} of request {adm.req_id} from {it.remote.producer} unavailable: {why}"
+        if it.has_media and self.opts.fallback == "auto":
+            logger.warning("%s; encoding it locally instead", msg)
+            it.status = "local"
+            self.metrics.count("local_fallbacks")
+        else:
+            logger.error("%s; failing the request (it carries no media to encode locally)", msg)
+            it.status = "failed"
+            adm.failed = msg
+        self.metrics.fail(why.split(":")[0])
+
+    def _has_media(self, feature) -> bool:
+        """True when the item can be encoded here (not a metadata-only placeholder)."""
+        data = getattr(feature, "data", None)
+        if data is None:
+            return False
+        meta = self._media_fields.get(feature.modality)
+        if meta is None:
+            try:
+                if self._resolver is None:
+                    from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
+
+                    self._resolver = PlaceholderMetadataResolver(self.vllm_config.model_config)
+                meta = set(self._resolver.fields_for(feature.modality))
+            except Exception:
+                meta = set()
+            self._media_fields[feature.modality] = meta
+        return any(k not in meta for k in data.keys())
+
+    def has_cache_item(self, identifier: str) -> bool:
+        return identifier in self._ready
+
+    def update_state_after_alloc(self, request, index: int) -> None:
+        h = request.mm_features[index].identifier
+        if self.place.is_consumer:
+            spec = self._ready.get(h)
+            if spec is not None:
+                self._loads.append(LoadSpec(request.request_id, spec.desc, spec.producer, spec.block,
+                                            spec.valid_until))
+                self._loaded.add(h)
+        if self.place.is_producer:
+            self._publish.append(h)
+
+    def update_state_after_free(self, request, index: int) -> None:
+        """The item's embeddings are in the KV cache: workers may give its pool slot back."""
+        h = request.mm_features[index].identifier
+        if h in self._loaded:
+            self._loaded.discard(h)
+            self._release.append(h)
+
+    def build_connector_meta(self, scheduler_output) -> NixlECMetadata:
+        meta = NixlECMetadata(loads=self._loads, publish=self._publish, release=self._release)
+        self._loads, self._publish, self._release = [], [], []
+        return meta
+
+    def update_connector_output(self, output) -> None:
+        m = getattr(output, "ec_connector_worker_meta", None)
+        if not isinstance(m, NixlECWorkerMeta):
+            return
+        for rank, req_id, h, why in m.failed:
+            logger.error("request %s failed: encoder output %s did not land on rank %d: %s", req_id, h, rank, why)
+            self._unavailable.add(req_id)
+        if m.stats:
+            self._worker_stats = merge_data(self._worker_stats, m.stats)
+
+    def take_unavailable_requests(self) -> set[str]:
+        out, self._unavailable = self._unavailable, set()
+        return out
+
+    # ================================================================ producer: announcements
+
+    def request_finished(self, request) -> tuple[bool, Optional[dict]]:
+        adm = self._reqs.pop(request.request_id, None)
+        if adm is not None:
+            for h in adm.items:
+                users = self._users.get(h)
+                if users is not None:
+                    users.discard(request.request_id)
+                    if not users:
+                        del self._users[h]
+                        self._ready.pop(h, None)
+        if not self.place.is_producer or not request.mm_features:
+            return False, None
+        if self.place.is_consumer and adm is not None:
+            return False, None  # ec_both: this request's items came from elsewhere
+        items = {}
+        for f in request.mm_features:
+            width = self._width(f.modality)
+            if width is None:
+                continue
+            rows = f.mm_position.get_num_embeds()
+            items[f.identifier] = P.ItemDesc(mm_hash=f.identifier, shape=[rows, width], dtype=self.dtype,
+                                             nbytes=rows * width * P.DTYPE_SIZES[self.dtype])
+            self._publish.append(f.identifier)  # re-publish from the encoder cache if not published
+        if not items:
+            return False, None
+        base = None
+        try:
+            from vllm.distributed.ec_transfer.ec_connector.utils import (
+                PlaceholderMetadataResolver,
+                collect_ec_item_metadata,
+            )
+
+            if self._resolver is None:
+                self._resolver = PlaceholderMetadataResolver(self.vllm_config.model_config)
+            base = collect_ec_item_metadata(request.mm_features, self._resolver)
+        except Exception as e:  # metadata for metadata-only consumers is optional
+            logger.debug("collect_ec_item_metadata unavailable: %s", e)
+        host = self.opts.advertise_host or self.place.ip
+        return False, build_params(items, f"{host}:{self.place.producer_port}", base)
+
+    def _width(self, modality: str) -> Optional[int]:
+        widths = getattr(self.vllm_config.ec_transfer_config, "mm_encoder_output_widths", None) or {}
+        if modality in widths:
+            return int(widths[modality])
+        try:
+            w = int(self.vllm_config.model_config.get_inputs_embeds_size())
+        except Exception:
+            return None
+        if not self._width_warned:
+            logger.warning("no measured encoder output width for %s; using the LM embedding size %d", modality, w)
+            self._width_warned = True
+        return w
+
+    # ================================================================ both
+
+    def get_stats(self) -> Optional[NixlECConnectorStats]:
+        data = merge_data(self.metrics.snapshot(reset=True), self._worker_stats)
+        self._worker_stats = None
+        stats = NixlECConnectorStats(data)
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None

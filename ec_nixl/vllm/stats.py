@@ -1,0 +1,152 @@
+"""vLLM metrics for NixlECConnector: ``ECConnectorStats`` and Prometheus series.
+
+``data`` is the plain dict of ``ec_nixl.metrics.Metrics.snapshot()`` (counters, per-transfer
+samples in seconds, link modes) merged with scheduler-side counters; vLLM ships it msgpack'd
+to the front-end process, where ``reduce()`` makes the periodic log line and ``NixlECPromMetrics``
+feeds Prometheus with per-engine labels.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Optional
+
+from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
+
+from ec_nixl.metrics import COUNTERS
+
+_LISTS = ("xfer_s", "post_s", "sizes", "wait_s")
+
+
+def empty_data() -> dict:
+    return {"counters": {}, "xfer_s": [], "post_s": [], "sizes": [], "wait_s": [], "link_modes": {},
+            "failure_reasons": {}, "pool": {}}
+
+
+def merge_data(a: Optional[dict], b: Optional[dict], cap: int = 8192) -> dict:
+    """Sum counters, concatenate samples (capped), union link modes."""
+    out = empty_data()
+    for src in (a, b):
+        if not src:
+            continue
+        for k, v in (src.get("counters") or {}).items():
+            out["counters"][k] = out["counters"].get(k, 0) + int(v)
+        for k, v in (src.get("failure_reasons") or {}).items():
+            out["failure_reasons"][k] = out["failure_reasons"].get(k, 0) + int(v)
+        for k in _LISTS:
+            room = cap - len(out[k])
+            if room > 0:
+                out[k].extend(list(src.get(k) or [])[:room])
+        out["link_modes"].update(src.get("link_modes") or {})
+        out["pool"].update(src.get("pool") or {})  # latest occupancy per rank
+    return out
+
+
+class NixlECConnectorStats(ECConnectorStats):
+    def __init__(self, data: Optional[dict[str, Any]] = None):
+        super().__init__(data=merge_data(data, None))
+
+    def reset(self) -> None:
+        self.data = empty_data()
+
+    def aggregate(self, other: ECConnectorStats) -> "NixlECConnectorStats":
+        if isinstance(other, ECConnectorStats) and other.data:
+            self.data = merge_data(self.data, other.data)
+        return self
+
+    def is_empty(self) -> bool:
+        d = self.data
+        return not any(d["counters"].values()) and not any(d[k] for k in _LISTS) and not d["pool"]
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        c = d["counters"]
+        xfer = d["xfer_s"]
+        out: dict[str, int | float] = {
+            "num_transfers": c.get("transfers", 0),
+            "num_failed_transfers": c.get("failed_transfers", 0),
+            "loads_landed": c.get("loads_landed", 0),
+            "loads_failed": c.get("loads_failed", 0),
+            "local_fallbacks": c.get("local_fallbacks", 0),
+            "admission_defers": c.get("admission_defers", 0),
+            "expired_leases": c.get("expired_leases", 0),
+            "staging_copies": c.get("staging_copies", 0),
+        }
+        if d["pool"]:
+            out["pool_used_bytes"] = sum(int(r.get("used", 0)) for r in d["pool"].values())
+        if xfer:
+            total_bytes = sum(d["sizes"])
+            total_s = sum(xfer)
+            out["avg_xfer_ms"] = round(statistics.fmean(xfer) * 1e3, 3)
+            out["p90_xfer_ms"] = round(sorted(xfer)[int(0.9 * (len(xfer) - 1))] * 1e3, 3)
+            out["avg_post_ms"] = round(statistics.fmean(d["post_s"]) * 1e3, 3) if d["post_s"] else 0.0
+            out["avg_mb_per_transfer"] = round(total_bytes / len(xfer) / 1e6, 3)
+            out["throughput_gbps"] = round(total_bytes / total_s / 1e9, 3) if total_s > 0 else 0.0
+        if d["wait_s"]:
+            out["avg_barrier_ms"] = round(statistics.fmean(d["wait_s"]) * 1e3, 3)
+        return out
+
+
+_BUCKETS_S = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
+_BYTES = (64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30)
+_PROM_COUNTERS = {
+    "failed_transfers": "vllm:nixl_ec_num_failed_transfers",
+    "expired_leases": "vllm:nixl_ec_num_expired_leases",
+    "admission_defers": "vllm:nixl_ec_num_admission_defers",
+    "local_fallbacks": "vllm:nixl_ec_num_local_fallbacks",
+    "loads_failed": "vllm:nixl_ec_num_failed_loads",
+    "loads_landed": "vllm:nixl_ec_num_loads_landed",
+    "transfers": "vllm:nixl_ec_num_transfers",
+    "staging_copies": "vllm:nixl_ec_num_staging_copies",
+    "quarantined": "vllm:nixl_ec_num_quarantined",
+}
+
+
+class NixlECPromMetrics(ECConnectorPromMetrics):
+    """Histograms of transfer/post time, bytes and descriptors; counters of failures and more."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        H, C, G = self._histogram_cls, self._counter_cls, self._gauge_cls
+        self._xfer = self._per_engine(H(name="vllm:nixl_ec_xfer_time_seconds", documentation="EC transfer time",
+                                        buckets=_BUCKETS_S, labelnames=labelnames))
+        self._post = self._per_engine(H(name="vllm:nixl_ec_post_time_seconds", documentation="EC transfer post time",
+                                        buckets=_BUCKETS_S, labelnames=labelnames))
+        self._bytes = self._per_engine(H(name="vllm:nixl_ec_bytes_transferred", documentation="bytes per EC transfer",
+                                         buckets=_BYTES, labelnames=labelnames))
+        self._wait = self._per_engine(H(name="vllm:nixl_ec_barrier_wait_seconds",
+                                        documentation="load barrier wait per step", buckets=_BUCKETS_S,
+                                        labelnames=labelnames))
+        self._counters = {k: self._per_engine(C(name=n, documentation=f"EC {k.replace('_', ' ')}",
+                                                labelnames=labelnames)) for k, n in _PROM_COUNTERS.items()}
+        self._pool = self._per_engine(G(name="vllm:nixl_ec_pool_used_bytes",
+                                        documentation="bytes of the registered pool in use (all ranks)",
+                                        labelnames=labelnames, multiprocess_mode="mostrecent"))
+        self._mode = self._per_engine(G(name="vllm:nixl_ec_link_read_mode",
+                                        documentation="1 if the last link chose READ, 0 if WRITE",
+                                        labelnames=labelnames, multiprocess_mode="mostrecent"))
+
+    def _per_engine(self, metric):
+        return {idx: metric.labels(*vals) for idx, vals in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        d = merge_data(transfer_stats_data, None)
+        for v in d["xfer_s"]:
+            self._xfer[engine_idx].observe(v)
+        for v in d["post_s"]:
+            self._post[engine_idx].observe(v)
+        for v in d["sizes"]:
+            self._bytes[engine_idx].observe(v)
+        for v in d["wait_s"]:
+            self._wait[engine_idx].observe(v)
+        for k, m in self._counters.items():
+            n = d["counters"].get(k, 0)
+            if n:
+                m[engine_idx].inc(n)
+        if d["pool"]:
+            self._pool[engine_idx].set(sum(int(r.get("used", 0)) for r in d["pool"].values()))
+        if d["link_modes"]:
+            self._mode[engine_idx].set(1 if list(d["link_modes"].values())[-1] == "read" else 0)
+
+
+__all__ = ["NixlECConnectorStats", "NixlECPromMetrics", "merge_data", "empty_data", "COUNTERS"]

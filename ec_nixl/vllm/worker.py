@@ -1,0 +1,171 @@
+"""Worker-side delegate of NixlECConnector (runs in every worker rank).
+
+Producer (TP rank 0 only; encoder outputs are identical on all ranks): ``save_caches`` pins each
+new encoder output in the rank's registered pool, and a serving endpoint answers consumers from
+its own I/O thread, so the engine never has to step for a transfer to progress.
+
+Consumer (every rank loads its own copy): ``start_load_caches`` posts this step's loads and waits
+on the ``LoadBarrier`` before anything is put into ``encoder_cache``; the entries are views into
+the pool, released (behind a CUDA event on GPUs) once vLLM drops them. An item that did not land
+is reported to the scheduler, which fails its request; its cache entry is a zero tensor so the
+gather cannot crash the engine while that happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from ec_nixl.barrier import LoadBarrier
+from ec_nixl.endpoint import LANDED, Endpoint, ItemRef, LoadTicket, torch_dtype
+from ec_nixl.errors import ECNixlError, LoadFailed
+from ec_nixl.vllm.metadata import NixlECMetadata, NixlECWorkerMeta
+from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
+
+logger = logging.getLogger("ec_nixl.vllm")
+
+
+class WorkerSide:
+    def __init__(self, vllm_config, opts: NixlECOptions, place: Placement):
+        self.vllm_config = vllm_config
+        self.opts = opts
+        self.place = place
+        self.endpoint: Optional[Endpoint] = None
+        self.barrier: Optional[LoadBarrier] = None
+        self._held: dict[str, tuple[LoadTicket, torch.Tensor]] = {}
+        self._cache: Optional[dict] = None
+        self._loaded: list[tuple[int, str]] = []
+        self._failed: list[tuple[int, str, str, str]] = []
+        self._pool_reported: Optional[tuple] = None
+        # Fault injection for tests only: publish a corrupted copy, to prove consumers use ours.
+        self._corrupt = os.environ.get("EC_NIXL_FAULT_CORRUPT_PUBLISH") == "1"
+
+    def start_services(self) -> None:
+        p = self.place
+        if not (p.is_consumer or p.serving_rank):
+            return  # producer TP rank > 0: rank 0 serves
+        cfg = endpoint_config(p, self.opts, compat_fields(self.vllm_config, self.opts), control_only=False)
+        self.endpoint = Endpoint(cfg)
+        self.barrier = LoadBarrier(self.endpoint)
+        logger.info("NixlECConnector %s: %s pool of %.1f MiB on %s%s", cfg.name,
+                    self.endpoint.pool.arena.mem_type, p.pool_bytes / 2**20, p.device,
+                    f", serving on {self.endpoint.address}" if self.endpoint.address else "")
+
+    # ---------------------------------------------------------------- producer
+
+    def save_caches(self, encoder_cache: dict, mm_hash: str) -> None:
+        if not self.place.serving_rank or self.endpoint is None:
+            return
+        t = encoder_cache.get(mm_hash)
+        if t is None:
+            return
+        try:
+            if self._corrupt:
+                t = torch.full_like(t, 3.0)
+                logger.warning("EC_NIXL_FAULT_CORRUPT_PUBLISH: publishing a corrupted %s (test fault)", mm_hash)
+            self.endpoint.publish(mm_hash, t)
+        except ECNixlError as e:
+            # The consumer will get MISSING and re-encode (or fail) that request; never crash here.
+            logger.error("could not pin encoder output %s for transfer: %s", mm_hash, e)
+
+    def start_save_caches(self, encoder_cache: dict, meta: NixlECMetadata) -> None:
+        if not self.place.serving_rank or self.endpoint is None or not meta.publish:
+            return
+        published = set(self.endpoint.published())
+        for h in meta.publish:
+            if h in encoder_cache and h not in published:
+                self.save_caches(encoder_cache, h)
+
+    # ---------------------------------------------------------------- consumer
+
+    def start_load_caches(self, encoder_cache: dict, meta: NixlECMetadata) -> None:
+        self._cache = encoder_cache
+        for h in meta.release:
+            self._release(h)
+        self._sweep()
+        if not meta.loads or self.endpoint is None:
+            return
+        specs = {}
+        for s in meta.loads:
+            if s.desc.mm_hash not in encoder_cache:
+                specs.setdefault(s.desc.mm_hash, s)
+        if not specs:
+            return
+        p = self.place
+        refs = [ItemRef(desc=s.desc, producer=s.producer, block=s.block, valid_until=s.valid_until,
+                        reader=p.reader, readers=p.readers) for s in specs.values()]
+        tickets = self.endpoint.load(refs)
+        try:
+            self.barrier.wait(tickets)
+        except LoadFailed:
+            pass  # handled per ticket below: landed items are used, failed ones reported
+        for t in tickets:
+            spec = specs[t.mm_hash]
+            if t.state == LANDED:
+                view = t.tensor()
+                encoder_cache[t.mm_hash] = view
+                self._held[t.mm_hash] = (t, view)
+                self._loaded.append((p.reader, t.mm_hash))
+            else:
+                d = spec.desc
+                logger.error("encoder output %s for request %s did not land: %s", d.mm_hash, spec.req_id, t.error)
+                encoder_cache[d.mm_hash] = torch.zeros(d.shape, dtype=torch_dtype(d.dtype),
+                                                       device=self.endpoint.pool.arena.device)
+                self._failed.append((p.reader, spec.req_id, d.mm_hash, t.error or t.reason))
+
+    def _release(self, h: str) -> None:
+        """The item is in the KV cache now. vLLM may keep its encoder-cache entry for reuse, so
+        the entry becomes a private copy and the pool slot goes back (behind a CUDA event)."""
+        held = self._held.pop(h, None)
+        if held is None:
+            return
+        ticket, view = held
+        if self._cache is not None and self._cache.get(h) is view:
+            self._cache[h] = view.clone()
+        ticket.release(self._fence(view))
+
+    @staticmethod
+    def _fence(view: torch.Tensor):
+        if view.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record()  # after every kernel already queued that may read the slot
+        return ev
+
+    def _sweep(self) -> None:
+        """Give back the slots of entries vLLM has dropped from its encoder cache."""
+        if not self._held or self._cache is None:
+            return
+        for h, (ticket, view) in list(self._held.items()):
+            if self._cache.get(h) is not view:
+                del self._held[h]
+                ticket.release(self._fence(view))
+
+    def get_finished(self) -> None:
+        self._sweep()
+
+    def worker_meta(self) -> Optional[NixlECWorkerMeta]:
+        stats = None
+        if self.endpoint is not None:
+            snap = self.endpoint.metrics.snapshot(reset=True)
+            pool = self.endpoint.pool.stats()
+            occupancy = (pool.used, pool.slots)
+            if any(snap["counters"].values()) or snap["xfer_s"] or occupancy != self._pool_reported:
+                self._pool_reported = occupancy
+                snap["pool"] = {f"rank{self.place.reader}": {"used": pool.used, "slots": pool.slots,
+                                                             "capacity": pool.capacity}}
+                stats = snap
+        if not (self._loaded or self._failed or stats):
+            return None
+        meta = NixlECWorkerMeta(self._loaded, self._failed, stats)
+        self._loaded, self._failed = [], []
+        return meta
+
+    def shutdown(self) -> None:
+        self._held.clear()
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
