@@ -47,10 +47,10 @@ class LoadBarrier:
             if budget is None:
                 budget = max((t.deadline for t in tickets), default=0.0) - time.monotonic() + 0.05
             self.endpoint.wait_for(lambda: all(t.done for t in tickets), max(0.0, budget))
-        failures = {t.mm_hash: (t.error or t.reason) for t in tickets if t.state == FAILED}
-        for t in tickets:
-            if t.state not in (LANDED, FAILED):
-                failures[t.mm_hash] = f"not landed within the barrier's {timeout}s (phase '{t.phase}')"
+        late = [t for t in tickets if not t.done]
+        if late:  # out of time: make them final (quarantining any DMA target) before reporting
+            self.endpoint.cancel(late, "not landed before the barrier's deadline")
+        failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state != LANDED}
         if failures:
             raise LoadFailed(failures)
         out = {t.mm_hash: t.tensor() for t in tickets}

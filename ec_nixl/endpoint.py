@@ -1001,6 +1001,35 @@ class Endpoint:
             self.metrics.count("quarantined")
         self._set_failed(t, error, reason, False)
 
+    def cancel(self, tickets: list[LoadTicket], why: str = "cancelled by the caller") -> None:
+        """Fail every still-pending ticket now (slots of possibly running DMAs go to quarantine)."""
+        pending = [t for t in tickets if t.state == PENDING]
+        if not pending:
+            return
+        self._exec(lambda: self._cancel(pending, why))
+        self.wait_for(lambda: all(t.done for t in pending), 2.0)
+
+    def _cancel(self, tickets: list[LoadTicket], why: str) -> None:
+        for t in tickets:
+            if t.state != PENDING:
+                continue
+            msg = f"item {t.mm_hash} from {t.ref.producer}: {why} (was in phase '{t.phase}')"
+            if t.phase == "read":
+                self._fail_xfer(t, msg, "CANCELLED")
+            elif t.phase == "push":
+                conn = self._conns.get(t.ref.producer)
+                slot, t.slot = t.slot, None
+                if conn is not None:
+                    conn.pushed.pop(t.mm_hash, None)
+                    conn.zombies.append((slot, time.monotonic() + self.cfg.quarantine_s))
+                    self._send(conn, P.Cancel(session=conn.session, req=next(self._reqs), mm_hashes=[t.mm_hash]))
+                elif slot is not None:
+                    self.pool.quarantine(slot, self.cfg.quarantine_s, reason="CANCELLED")
+                self.metrics.count("quarantined")
+                self._set_failed(t, msg, "CANCELLED", True)
+            else:
+                self._fail(t, msg, "CANCELLED", retryable=True)
+
     def _set_failed(self, t: LoadTicket, error: str, reason: str, retryable: bool) -> None:
         t.state, t.phase, t.error, t.reason, t.retryable = FAILED, "done", error, reason, retryable
         t.t_done = time.perf_counter()

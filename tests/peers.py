@@ -80,6 +80,8 @@ def _serve(conn, cfg_kwargs: dict) -> None:
                 conn.send(("ok", ep.stats()))
             elif cmd == "published":
                 conn.send(("ok", ep.published()))
+            elif cmd == "unpublish_all":
+                conn.send(("ok", [ep.unpublish(h) for h in ep.published()]))
             elif cmd == "close":
                 ep.close()
                 conn.send(("ok", None))

@@ -377,3 +377,18 @@ def test_observer_reads_stats_but_cannot_take_items(make_producer, device):
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert '"items": 1' in out.stdout
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_barrier_timeout_cancels_and_reports(make_producer, make_consumer, device, mode):
+    """A barrier shorter than the producer: the item fails as CANCELLED, nothing stays pending or leaks."""
+    prod = make_producer()
+    cons = make_consumer(mode=mode, quarantine_s=0.1)
+    desc = prod.call("publish_late", ("slow", (64, 64), "float32", 1, 2.0))
+    tickets = cons.load(refs_for(prod, [desc]))
+    t0 = time.monotonic()
+    with pytest.raises(LoadFailed) as e:
+        LoadBarrier(cons).wait(tickets, timeout=0.3)
+    assert time.monotonic() - t0 < 2.0
+    assert tickets[0].state == "failed" and "barrier" in e.value.failures["slow"]
+    assert cons.wait_for(lambda: cons.pool.stats().used == 0, 8), cons.pool.stats()

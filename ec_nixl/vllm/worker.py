@@ -111,7 +111,7 @@ class WorkerSide:
                 self._loaded.append((p.reader, t.mm_hash))
             else:
                 d = spec.desc
-                logger.error("encoder output %s for request %s did not land: %s", d.mm_hash, spec.req_id, t.error)
+                logger.error("encoder output %s for request %s did not land: %s (%r)", d.mm_hash, spec.req_id, t.error, t)
                 encoder_cache[d.mm_hash] = torch.zeros(d.shape, dtype=torch_dtype(d.dtype),
                                                        device=self.endpoint.pool.arena.device)
                 self._failed.append((p.reader, spec.req_id, d.mm_hash, t.error or t.reason))

