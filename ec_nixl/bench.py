@@ -197,10 +197,30 @@ def _pin(arena) -> bool:
     import torch
 
     try:
-        rc = torch.cuda.cudart().cudaHostRegister(arena.base, arena.size, 0)
-        return int(getattr(rc, "value", rc)) == 0
+        rc = int(getattr(rc := torch.cuda.cudart().cudaHostRegister(arena.base, arena.size, 0), "value", rc))
     except Exception:
         return False
+    if rc == 0:
+        return True
+    _clear_cuda_error()  # a failed call leaves a sticky error torch would raise at its next check
+    return rc == 712  # cudaErrorHostMemoryAlreadyRegistered: UCX pinned it when NIXL registered it
+
+
+def _clear_cuda_error() -> None:
+    import ctypes
+
+    import torch
+
+    fn = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if fn is None:
+        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+            try:
+                fn = ctypes.CDLL(name).cudaGetLastError  # the runtime torch already loaded
+                break
+            except OSError:
+                continue
+    if fn is not None:
+        fn()
 
 
 def _unpin(arena) -> None:
@@ -253,7 +273,8 @@ class _Producer:
 
         pid = os.getpid()
         common = dict(pool_bytes=cfg["pool_bytes"], block_bytes=BLOCK, listen="127.0.0.1:0", threaded=True,
-                      announce_lease_s=600.0, grant_lease_s=600.0, evict_unclaimed=False, load_timeout_s=60.0)
+                      announce_lease_s=600.0, grant_lease_s=600.0, evict_unclaimed=False, load_timeout_s=60.0,
+                      backend_params=cfg.get("backend_params") or {})
         self.ep = Endpoint(EndpointConfig(name=f"ecb-prod-{pid}", device=self.device, **common))
         self.host = None
         self.pinned = False
@@ -547,7 +568,7 @@ class _Consumer:
         pid = os.getpid()
         paths = cfg["paths"]
         common = dict(pool_bytes=cfg["pool_bytes"], block_bytes=BLOCK, threaded=False, load_timeout_s=60.0,
-                      peer_timeout_s=30.0)
+                      peer_timeout_s=30.0, backend_params=cfg.get("backend_params") or {})
         self.eps: dict[str, Any] = {}
         if "ours-read" in paths or cfg["barrier"]:
             self.eps["read"] = Endpoint(EndpointConfig(name=f"ecb-cons-r-{pid}", device=self.device, mode="read",
@@ -1195,6 +1216,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-bytes", default=None,
                    help="pool size per endpoint (default: the largest step, or 4 of the largest item)")
     p.add_argument("--quick", action="store_true", help="a short run (fewer sizes and repeats)")
+    p.add_argument("--backend-params", default=None, metavar="JSON",
+                   help='NIXL UCX backend parameters for every endpoint, e.g. \'{"ucx_error_handling_mode":"none"}\'')
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON (schema ec-nixl-bench/1)")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a latency-vs-size PNG (needs matplotlib)")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up (killing both processes) after this many s")
@@ -1251,6 +1274,7 @@ def _plan(args) -> dict:
         "copy_bw_bytes": max(blocks(bspec.nbytes) * BLOCK * max(items, 1), 64 << 20),
         "idle_timeout_s": 300.0,
         "notes": notes,
+        "backend_params": json.loads(args.backend_params) if args.backend_params else {},
     }
 
 
