@@ -47,8 +47,6 @@ VARIANTS = {
     "I": ("hostregister", "torch", "ctypes", "GEQ", "cuMemHostRegister'd malloc memory"),
     "J": ("hostregister", "legacy", "ctypes", "GEQ", "registered memory, legacy stream"),
     "K": ("device", "torch", "devwrite", "GEQ", "control: word in VRAM, GPU writer"),
-    "L": ("flag:native", "torch", "signal", "GEQ", "DeviceFlag(impl='native') as the barrier would use it"),
-    "M": ("flag:cuda-bindings", "torch", "signal", "GEQ", "DeviceFlag(impl='cuda-bindings')"),
     "N": ("ext", "legacy", "ext", "GEQ", "ec_nixl._C end to end on the legacy stream"),
 }
 ROUNDS = 50
@@ -145,8 +143,6 @@ def child_wait(name: str) -> None:
     """One variant: enqueue a wait, a kernel and an event; write the word; see if it resumes."""
     mem, stream_kind, writer, cond, _ = VARIANTS[name]
     torch, d, x = _cuda_setup()
-    from ec_nixl import native
-
     ext = _ext()
     res = {"variant": name, "status": "error"}
     geq, eq = int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
@@ -158,8 +154,7 @@ def child_wait(name: str) -> None:
 
     # --- the word ---
     host = dptr = 0
-    flag = None
-    needs_ext = mem == "ext" or writer == "ext" or mem == "flag:native"
+    needs_ext = mem == "ext" or writer == "ext"
     if needs_ext and ext is None:
         emit("READY", {})
         emit("RESULT", {"variant": name, "status": "skip", "error": "ec_nixl._C not built with CUDA"})
@@ -183,9 +178,6 @@ def child_wait(name: str) -> None:
         dptr = int(_ck(d.cuMemAlloc(4096), "cuMemAlloc"))
     elif mem == "ext":
         host, dptr = ext.flag_alloc(1, dev_index)
-    elif mem.startswith("flag:"):
-        flag = native.DeviceFlag(dev_index, impl=mem.split(":", 1)[1])
-        host, dptr = flag.host_ptr, flag.dev_ptr
     if mem == "device":
         _ck(d.cuMemsetD32(d.CUdeviceptr(dptr), 0, 1), "cuMemsetD32")
     else:
@@ -204,9 +196,7 @@ def child_wait(name: str) -> None:
 
     def enqueue_wait(v: int) -> float:
         t = time.perf_counter()
-        if flag is not None:
-            flag.wait_on(ts, target=v, eq=cond == "EQ")
-        elif mem == "ext":
+        if mem == "ext":
             ext.stream_wait_value32(sp, dptr, v, flag_cond, dev_index)
         else:
             _ck(d.cuStreamWaitValue32(d.CUstream(sp), d.CUdeviceptr(dptr), v, flag_cond), "cuStreamWaitValue32")
@@ -217,8 +207,6 @@ def child_wait(name: str) -> None:
             ctypes.c_uint32.from_address(host).value = v
         elif writer == "ext":
             ext.flag_store(host, v)
-        elif writer == "signal":
-            flag.signal(v)
         else:  # devwrite
             _ck(d.cuStreamWriteValue32(d.CUstream(writer_stream), d.CUdeviceptr(dptr), v, 0), "cuStreamWriteValue32")
 
