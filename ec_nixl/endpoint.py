@@ -50,6 +50,8 @@ from ec_nixl.transport import Peer, Transport, Xfer
 
 logger = logging.getLogger("ec_nixl")
 
+_MAX_HELLO_NONCES = 1 << 16  # handshakes remembered against replay
+
 _TORCH_DTYPES = {name: getattr(torch, name) for name in P.DTYPE_SIZES if hasattr(torch, name)}
 
 
@@ -103,6 +105,10 @@ class ItemRef:
     valid_until: float = 0.0
     reader: int = 0
     readers: int = 1
+    incarnation: str = ""
+    """The producer incarnation whose Hold gave ``block`` (``HoldRequest.incarnation``): the block
+    is used only on a session with that incarnation; a producer restarted at the same address is
+    asked for a grant instead. Empty: trust ``block`` (callers that cannot tell)."""
 
     @property
     def mm_hash(self) -> str:
@@ -181,6 +187,7 @@ class _Conn:
         self.t_start = time.monotonic()
         self.last_heard = self.t_start
         self.last_hb = self.t_start
+        self.idle = True  # no work pending at the last tick
         self.waiting: list[LoadTicket] = []  # until the handshake completes
         self.get_queue: list[LoadTicket] = []  # to send in the next Get
         self.push_queue: list[LoadTicket] = []
@@ -198,13 +205,14 @@ class _Conn:
 class HoldRequest:
     """An asynchronous Hold; ``states`` is None until answered (or failed/timed out)."""
 
-    __slots__ = ("producer", "mm_hashes", "readers", "req", "deadline", "states")
+    __slots__ = ("producer", "mm_hashes", "readers", "req", "deadline", "states", "incarnation")
     kind = "hold"
 
     def __init__(self, producer: str, mm_hashes: list[str], readers: int, req: int, deadline: float):
         self.producer, self.mm_hashes, self.readers, self.req = producer, mm_hashes, readers, req
         self.deadline = deadline
         self.states: Optional[dict[str, P.ItemState]] = None
+        self.incarnation = ""  # of the producer that answered (goes into ItemRef.incarnation)
 
     @property
     def done(self) -> bool:
@@ -311,7 +319,7 @@ class _Item:
 
 
 class _Session:
-    __slots__ = ("id", "identity", "name", "peer", "last_seen", "arena", "group", "observer")
+    __slots__ = ("id", "identity", "name", "peer", "last_seen", "arena", "group", "observer", "used")
 
     def __init__(self, sid: str, identity: bytes, name: str, peer: Optional[Peer], arena, group: str,
                  observer: bool = False):
@@ -323,6 +331,7 @@ class _Session:
         self.peer = peer
         self.arena = arena
         self.last_seen = time.monotonic()
+        self.used = False  # a request came on it (so the consumer kept this connection)
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,6 +371,7 @@ class Endpoint:
         # producer state
         self._items: dict[str, _Item] = {}
         self._sessions: dict[str, _Session] = {}
+        self._hello_nonces: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
         self._active_pushes: list[tuple[_Item, _Push]] = []
         # consumer state
         self._conns: dict[str, _Conn] = {}
@@ -513,48 +523,66 @@ class Endpoint:
     # producer API (any thread)
 
     def publish(self, mm_hash: str, tensor: torch.Tensor, ready: Optional[Fence] = None) -> P.ItemDesc:
-        """Pin ``tensor`` for transfer under ``mm_hash``; returns its description.
+        """Pin ``tensor`` for transfer under ``mm_hash``; returns its description (see ``publish_many``)."""
+        return self.publish_many([(mm_hash, tensor)], ready)[0]
+
+    def publish_many(self, items: list[tuple[str, torch.Tensor]], ready: Optional[Fence] = None) -> list[P.ItemDesc]:
+        """Pin a step's encoder outputs for transfer; returns their descriptions.
 
         A tensor that starts a pool slot (written there through ``reserve()``) is adopted as is,
-        taking a hold on its slot; any other is copied into a new slot (on CUDA, on the current
-        stream, guarded by an event: the copy never blocks the host) and counted as a staging copy.
-        Publishing a hash that is already published only renews its lease.
+        taking a hold on its slot. All others are copied into new slots by ONE ``native.pack``
+        (a single kernel launch on CUDA, on the current stream, guarded by one event: the copy
+        never blocks the host), each counted as a staging copy. Publishing a hash that is already
+        published only renews its lease. On error nothing of the batch stays allocated.
         """
         pool = self._need_pool()
-        desc = describe(mm_hash, tensor)
-        P.validate_item(desc)
-        with self._lock:
-            item = self._items.get(mm_hash)
-            if item is not None:
-                item.expires_at = max(item.expires_at, time.monotonic() + self.cfg.announce_lease_s)
-                return item.desc
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
-        slot = pool.slot_at(tensor.data_ptr()) if pool.arena.contains(tensor) else None
-        if slot is not None:  # written straight into the pool (see reserve()): no copy
-            pool.hold(slot)
-            self._add_item(desc, slot, ready)
-            return desc
-        slot = pool.allocate(desc.nbytes, tag=mm_hash, evict=self._evict if self.cfg.evict_unclaimed else None)
+        evict = self._evict if self.cfg.evict_unclaimed else None
+        descs: list[P.ItemDesc] = []
+        copies: list[tuple[P.ItemDesc, Slot, torch.Tensor]] = []
+        seen: dict[str, P.ItemDesc] = {}
         try:
-            dst = slot.bytes()
-            src = tensor.reshape(-1).view(torch.uint8)
-            if tensor.device != dst.device:
-                raise ConfigError(f"item {mm_hash} is on {tensor.device}, the pool on {dst.device}")
-            if tensor.device.type == "cuda":
-                dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-                ready = _Both(ready, ev) if ready is not None else ev
-            else:
-                dst.copy_(src)
+            for mm_hash, tensor in items:
+                if mm_hash in seen:
+                    descs.append(seen[mm_hash])
+                    continue
+                desc = describe(mm_hash, tensor)
+                P.validate_item(desc)
+                with self._lock:
+                    item = self._items.get(mm_hash)
+                    if item is not None:
+                        item.expires_at = max(item.expires_at, time.monotonic() + self.cfg.announce_lease_s)
+                        desc = item.desc
+                if item is None:
+                    if tensor.device != pool.arena.device:
+                        raise ConfigError(f"item {mm_hash} is on {tensor.device}, the pool on {pool.arena.device}")
+                    tensor = tensor.contiguous()
+                    slot = pool.slot_at(tensor.data_ptr()) if pool.arena.contains(tensor) else None
+                    if slot is not None:  # written straight into the pool (see reserve()): no copy
+                        pool.hold(slot)
+                        self._add_item(desc, slot, ready)
+                    else:
+                        slot = pool.allocate(desc.nbytes, tag=mm_hash, evict=evict)
+                        copies.append((desc, slot, tensor.reshape(-1).view(torch.uint8)))
+                seen[mm_hash] = desc
+                descs.append(desc)
+            if copies:
+                from ec_nixl import native
+
+                native.pack([c[2] for c in copies], pool.arena.bytes, [c[1].offset for c in copies])
+                fence = ready
+                if pool.arena.device.type == "cuda":
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    fence = _Both(ready, ev) if ready is not None else ev
         except Exception:
-            pool.release(slot)
+            for _, slot, _ in copies:
+                pool.release(slot)
             raise
-        self.metrics.count("staging_copies")
-        self.metrics.count("staging_bytes", desc.nbytes)
-        self._add_item(desc, slot, ready)
-        return desc
+        for desc, slot, _ in copies:
+            self._add_item(desc, slot, fence)
+            self.metrics.count("staging_copies")
+            self.metrics.count("staging_bytes", desc.nbytes)
+        return descs
 
     def reserve(self, nbytes: int, tag: str = "") -> Slot:
         """A pool slot to write an item into directly (zero-copy publish with ``publish_slot``)."""
@@ -751,7 +779,8 @@ class Endpoint:
         if conn.mode == "write":
             t.phase = "push"
             conn.push_queue.append(t)
-        elif t.ref.block >= 0 and time.time() < t.ref.valid_until:
+        elif t.ref.block >= 0 and time.time() < t.ref.valid_until and \
+                t.ref.incarnation in ("", conn.incarnation):
             self._post_read(conn, t, t.ref.block)
         else:
             t.phase = "grant"
@@ -813,6 +842,17 @@ class Endpoint:
                     conn.last_heard = time.monotonic()
                     try:
                         msg = P.decode(data)
+                    except ECNixlError as e:
+                        # A producer that sends what is no message cannot be trusted with what is
+                        # pending on it: fail that now, naming the problem, instead of timing out.
+                        self.metrics.fail("BAD_MESSAGE")
+                        why = f"producer {conn.address} sent a malformed message: {e}"
+                        if conn.state == "ready":
+                            self._lose_conn(conn, why)
+                        elif conn.state == "connecting":
+                            self._fail_conn(conn, why, "BAD_MESSAGE")
+                        return
+                    try:
                         self._on_reply(conn, msg)
                     except ECNixlError as e:
                         logger.warning("bad message from producer %s: %s", conn.address, e)
@@ -838,6 +878,8 @@ class Endpoint:
         if isinstance(msg, (P.Grant, P.StatsReply)):
             h = conn.holds.pop(msg.req, None)
             if h is not None:
+                if isinstance(h, HoldRequest):
+                    h.incarnation = conn.incarnation
                 h.resolve(msg)
                 self._changed = True
                 return
@@ -882,7 +924,7 @@ class Endpoint:
                 return self._fail_conn(conn, f"producer {conn.address} serves no data (control-only)",
                                        "INCOMPAT")
             try:
-                conn.peer = self.transport.add_peer(msg.agent_md, msg.arena, msg.incarnation)
+                conn.peer = self.transport.add_peer(msg.agent_md, msg.arena, msg.incarnation, msg.name)
             except Exception as e:
                 return self._fail_conn(conn, f"cannot add producer {conn.address} as NIXL peer: {e}", "INCOMPAT")
             conn.mode = self._choose_mode(conn)
@@ -1139,6 +1181,16 @@ class Endpoint:
                                             detail="no handshake for this session", req=req))
             return None
         s.last_seen = time.monotonic()
+        if not s.used:
+            s.used = True
+            # A consumer agent uses one session with us at a time: the first request on a new one
+            # means its older ones were lost, or belong to its previous incarnation (a restarted
+            # process: agent names are unique). Their pins and interest go now, not at lease end.
+            # Not at Hello: Hellos of connections it already gave up may still be queued here.
+            # Its NIXL peer stays: add_peer already replaced an older incarnation's metadata.
+            for o in [o for o in self._sessions.values() if o is not s and o.name == s.name
+                      and o.peer is not None and s.peer is not None]:
+                self._end_session(o, keep_peer=True)
         return s
 
     def _on_request(self, identity: bytes, msg) -> None:
@@ -1176,6 +1228,14 @@ class Endpoint:
 
         if not P.verify(msg, self._token):
             return refuse(P.Nack.UNAUTHORIZED, "handshake not signed with the shared token")
+        # A signed Hello proves the token only once: the same nonce from another connection is a
+        # replay (its session would act for the real consumer's NIXL agent). Resends come from the
+        # same connection and pass. The memory of nonces is bounded (oldest forgotten first).
+        first = self._hello_nonces.setdefault(msg.nonce, identity)
+        if len(self._hello_nonces) > _MAX_HELLO_NONCES:
+            self._hello_nonces.popitem(last=False)
+        if first != identity:
+            return refuse(P.Nack.UNAUTHORIZED, "replayed handshake (its nonce came from another connection)")
         if msg.version != P.PROTOCOL_VERSION:
             return refuse(P.Nack.VERSION, f"protocol {msg.version} != {P.PROTOCOL_VERSION}")
         observer = msg.compat == "" and msg.agent_md is None
@@ -1185,7 +1245,7 @@ class Endpoint:
         peer = None
         if msg.agent_md is not None and msg.arena is not None and self.transport is not None:
             try:
-                peer = self.transport.add_peer(msg.agent_md, msg.arena, msg.incarnation)
+                peer = self.transport.add_peer(msg.agent_md, msg.arena, msg.incarnation, msg.name)
             except Exception as e:
                 return refuse(P.Nack.INCOMPAT, f"cannot add NIXL peer: {e}")
         sid = secrets.token_hex(8)
@@ -1365,7 +1425,7 @@ class Endpoint:
             del self._items[item.desc.mm_hash]
         self.pool.release(item.slot)
 
-    def _end_session(self, s: _Session) -> None:
+    def _end_session(self, s: _Session, keep_peer: bool = False) -> None:
         self._sessions.pop(s.id, None)
         group_left = any(o.group == s.group for o in self._sessions.values())
         with self._lock:
@@ -1377,7 +1437,7 @@ class Endpoint:
                     del item.pins[k]
         for item in items:
             self._maybe_free(item)
-        if s.peer is not None and not any(o.name == s.name for o in self._sessions.values()):
+        if s.peer is not None and not keep_peer and not any(o.name == s.name for o in self._sessions.values()):
             self.transport.forget_peer(s.name)
 
     def _drain_notifs(self) -> None:
@@ -1417,6 +1477,9 @@ class Endpoint:
                     h.finish("TIMEOUT", f"no answer from {conn.address} to a {h.kind}")
                     self._changed = True
             if conn.busy:
+                if conn.idle:  # the silence clock starts with the work (however long we were idle)
+                    conn.idle = False
+                    conn.last_heard = max(conn.last_heard, now)
                 if now - conn.last_heard > self.cfg.peer_timeout_s:
                     self._lose_conn(conn, f"producer {conn.address} silent for {self.cfg.peer_timeout_s:.1f}s")
                     continue
@@ -1424,7 +1487,7 @@ class Endpoint:
                     conn.last_hb = now
                     self._send(conn, P.Heartbeat(session=conn.session))
             else:
-                conn.last_heard = max(conn.last_heard, now - self.cfg.heartbeat_s)
+                conn.idle = True
             for req, batch in list(conn.by_req.items()):
                 if all(t.state != PENDING for t in batch):
                     del conn.by_req[req]

@@ -392,3 +392,24 @@ def test_barrier_timeout_cancels_and_reports(make_producer, make_consumer, devic
     assert time.monotonic() - t0 < 2.0
     assert tickets[0].state == "failed" and "barrier" in e.value.failures["slow"]
     assert cons.wait_for(lambda: cons.pool.stats().used == 0, 8), cons.pool.stats()
+
+
+def test_publish_many_packs_a_step_and_cleans_up_on_error(make_consumer, device):
+    """A step's outputs are pinned by one pack; a bad item in the batch leaves nothing allocated."""
+    from ec_nixl.config import EndpointConfig
+    from ec_nixl.endpoint import Endpoint
+    from ec_nixl.errors import ProtocolError
+
+    specs = [(f"p{i}", (7 + 13 * i, 96), ["bfloat16", "float16", "float32"][i % 3], 40 + i) for i in range(9)]
+    with Endpoint(EndpointConfig(name="pack", device=device, pool_bytes=16 << 20, threaded=True,
+                                 listen="127.0.0.1:0")) as prod:
+        items = [(h, make_item(seed, shape, dt, device)) for h, shape, dt, seed in specs]
+        descs = prod.publish_many(items + [items[0]])  # a duplicate in the batch is published once
+        assert [d.mm_hash for d in descs] == [h for h, *_ in specs] + ["p0"]
+        assert prod.stats()["counters"]["staging_copies"] == 9
+        used = prod.pool.stats().used
+        with pytest.raises(ProtocolError):
+            prod.publish_many([("q0", items[1][1]), ("q1", torch.zeros(0, 3, device=device))])
+        assert prod.pool.stats().used == used, "a failed batch must not keep slots"
+        cons = make_consumer(mode="read")
+        fetch_and_check(cons, [ItemRef(desc=d, producer=prod.address) for d in descs[:9]], specs, device)

@@ -310,3 +310,34 @@ def test_stats_and_prometheus_with_real_prometheus_client():
     assert reg.get_sample_value("vllm:nixl_ec_num_transfers_total", {"model_name": "m", "engine": "0"}) == 2
     assert reg.get_sample_value("vllm:nixl_ec_pool_used_bytes", {"model_name": "m", "engine": "0"}) == 4
     assert reg.get_sample_value("vllm:nixl_ec_xfer_time_seconds_count", {"model_name": "m", "engine": "0"}) == 2
+
+
+def test_producer_worker_pins_a_step_with_one_pack_and_serves_it(tiny_model):
+    """save_caches collects, the end of the step publishes; a consumer then reads byte-exact."""
+    from ec_nixl.barrier import LoadBarrier
+    from ec_nixl.config import EndpointConfig
+    from ec_nixl.endpoint import Endpoint, ItemRef
+    from ec_nixl.vllm.options import compat_fields, parse_extra, placement
+    from ec_nixl.vllm.worker import WorkerSide
+
+    vc = vllm_config(tiny_model, "ec_producer", port=0)
+    opts = parse_extra({})
+    w = WorkerSide(vc, opts, placement(vc, worker=True))
+    w.start_services()
+    try:
+        cache = {"a": make_item(1, (ROWS, WIDTH), "bfloat16"), "b": make_item(2, (ROWS + 3, WIDTH), "bfloat16")}
+        w.save_caches(cache, "a")
+        w.save_caches(cache, "b")
+        assert w.endpoint.published() == [], "nothing is pinned before the step ends"
+        w.get_finished()
+        assert sorted(w.endpoint.published()) == ["a", "b"]
+        assert w.endpoint.stats()["counters"]["staging_copies"] == 2
+        with Endpoint(EndpointConfig(name="reader", pool_bytes=8 << 20, threaded=False,
+                                     compat=compat_fields(vc, opts))) as cons:
+            descs = {h: P_desc for h, P_desc in zip("ab", w.endpoint.publish_many([("a", cache["a"]),
+                                                                                   ("b", cache["b"])]))}
+            t = cons.load([ItemRef(desc=descs[h], producer=w.endpoint.address) for h in "ab"])
+            out = LoadBarrier(cons).wait(t)
+            assert all(torch.equal(out[h], cache[h]) for h in "ab")
+    finally:
+        w.shutdown()

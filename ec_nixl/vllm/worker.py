@@ -1,8 +1,9 @@
 """Worker-side delegate of NixlECConnector (runs in every worker rank).
 
-Producer (TP rank 0 only; encoder outputs are identical on all ranks): ``save_caches`` pins each
-new encoder output in the rank's registered pool, and a serving endpoint answers consumers from
-its own I/O thread, so the engine never has to step for a transfer to progress.
+Producer (TP rank 0 only; encoder outputs are identical on all ranks): ``save_caches`` collects
+the step's new encoder outputs and the end of the step pins them all in the rank's registered
+pool with one pack (one kernel launch on GPUs); a serving endpoint answers consumers from its own
+I/O thread, so the engine never has to step for a transfer to progress.
 
 Consumer (every rank loads its own copy): ``start_load_caches`` posts this step's loads and waits
 on the ``LoadBarrier`` before anything is put into ``encoder_cache``; the entries are views into
@@ -40,6 +41,7 @@ class WorkerSide:
         self._loaded: list[tuple[int, str]] = []
         self._failed: list[tuple[int, str, str, str]] = []
         self._pool_reported: Optional[tuple] = None
+        self._to_publish: list[tuple[str, torch.Tensor]] = []
         # Fault injection for tests only: publish a corrupted copy, to prove consumers use ours.
         self._corrupt = os.environ.get("EC_NIXL_FAULT_CORRUPT_PUBLISH") == "1"
 
@@ -60,16 +62,22 @@ class WorkerSide:
         if not self.place.serving_rank or self.endpoint is None:
             return
         t = encoder_cache.get(mm_hash)
-        if t is None:
-            return
-        try:
+        if t is not None:
             if self._corrupt:
                 t = torch.full_like(t, 3.0)
                 logger.warning("EC_NIXL_FAULT_CORRUPT_PUBLISH: publishing a corrupted %s (test fault)", mm_hash)
-            self.endpoint.publish(mm_hash, t)
+            self._to_publish.append((mm_hash, t))
+
+    def flush_publish(self) -> None:
+        """Pin everything saved this step with one pack, after the encoder has run."""
+        batch, self._to_publish = self._to_publish, []
+        if not batch or self.endpoint is None:
+            return
+        try:
+            self.endpoint.publish_many(batch)
         except ECNixlError as e:
-            # The consumer will get MISSING and re-encode (or fail) that request; never crash here.
-            logger.error("could not pin encoder output %s for transfer: %s", mm_hash, e)
+            # Consumers will get MISSING and re-encode (or fail) those requests; never crash here.
+            logger.error("could not pin %d encoder output(s) for transfer: %s", len(batch), e)
 
     def start_save_caches(self, encoder_cache: dict, meta: NixlECMetadata) -> None:
         if not self.place.serving_rank or self.endpoint is None or not meta.publish:
@@ -78,6 +86,7 @@ class WorkerSide:
         for h in meta.publish:
             if h in encoder_cache and h not in published:
                 self.save_caches(encoder_cache, h)
+        self.flush_publish()
 
     # ---------------------------------------------------------------- consumer
 
@@ -145,6 +154,7 @@ class WorkerSide:
                 ticket.release(self._fence(view))
 
     def get_finished(self) -> None:
+        self.flush_publish()  # end of the step's connector scope: the encoder has run
         self._sweep()
 
     def worker_meta(self) -> Optional[NixlECWorkerMeta]:
