@@ -274,7 +274,8 @@ class _Producer:
         pid = os.getpid()
         common = dict(pool_bytes=cfg["pool_bytes"], block_bytes=BLOCK, listen="127.0.0.1:0", threaded=True,
                       announce_lease_s=600.0, grant_lease_s=600.0, evict_unclaimed=False, load_timeout_s=60.0,
-                      backend_params=cfg.get("backend_params") or {})
+                      backend_params=cfg.get("backend_params") or {},
+                      nixl_progress_thread=cfg.get("nixl_progress_thread"))
         self.ep = Endpoint(EndpointConfig(name=f"ecb-prod-{pid}", device=self.device, **common))
         self.host = None
         self.pinned = False
@@ -568,7 +569,8 @@ class _Consumer:
         pid = os.getpid()
         paths = cfg["paths"]
         common = dict(pool_bytes=cfg["pool_bytes"], block_bytes=BLOCK, threaded=False, load_timeout_s=60.0,
-                      peer_timeout_s=30.0, backend_params=cfg.get("backend_params") or {})
+                      peer_timeout_s=30.0, backend_params=cfg.get("backend_params") or {},
+                      nixl_progress_thread=cfg.get("nixl_progress_thread"))
         self.eps: dict[str, Any] = {}
         if "ours-read" in paths or cfg["barrier"]:
             self.eps["read"] = Endpoint(EndpointConfig(name=f"ecb-cons-r-{pid}", device=self.device, mode="read",
@@ -1216,6 +1218,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-bytes", default=None,
                    help="pool size per endpoint (default: the largest step, or 4 of the largest item)")
     p.add_argument("--quick", action="store_true", help="a short run (fewer sizes and repeats)")
+    p.add_argument("--nixl-progress-thread", choices=("auto", "on", "off"), default="auto",
+                   help="NIXL's own (spinning) progress thread: auto = on for the producer only")
     p.add_argument("--backend-params", default=None, metavar="JSON",
                    help='NIXL UCX backend parameters for every endpoint, e.g. \'{"ucx_error_handling_mode":"none"}\'')
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON (schema ec-nixl-bench/1)")
@@ -1275,6 +1279,7 @@ def _plan(args) -> dict:
         "idle_timeout_s": 300.0,
         "notes": notes,
         "backend_params": json.loads(args.backend_params) if args.backend_params else {},
+        "nixl_progress_thread": {"on": True, "off": False}.get(args.nixl_progress_thread),
     }
 
 

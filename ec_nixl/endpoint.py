@@ -50,6 +50,10 @@ from ec_nixl.transport import Peer, Transport, Xfer
 
 logger = logging.getLogger("ec_nixl")
 
+# After a peer's last request or notification, a threaded endpoint keeps driving NIXL every 1 ms
+# for this long (consumers' READs may need our side's UCX progress), then polls every 50 ms.
+_ACTIVE_S = 5.0
+
 _MAX_HELLO_NONCES = 1 << 16  # handshakes remembered against replay
 
 _TORCH_DTYPES = {name: getattr(torch, name) for name in P.DTYPE_SIZES if hasattr(torch, name)}
@@ -363,7 +367,7 @@ class Endpoint:
             try:
                 self.pool = Pool(arena, cfg.block_bytes, reserved_blocks=cfg.probe_blocks)
                 self.transport = Transport(cfg.name, arena, cfg.block_bytes, tuple(cfg.backends),
-                                           dict(cfg.backend_params))
+                                           dict(cfg.backend_params), progress_thread=cfg.progress_thread)
             except Exception:
                 arena.close()
                 raise
@@ -381,6 +385,7 @@ class Endpoint:
         self._zombies: list[tuple[Xfer, Slot]] = []  # transfers NIXL could not cancel yet
         self._changed = False
         self._next_tick = 0.0
+        self._last_activity = 0.0  # last request or notification from a peer (producer side)
 
         self._ctx = zmq.Context.instance()
         self._poller = zmq.Poller()
@@ -436,6 +441,8 @@ class Endpoint:
             return 0.0
         if any(c.busy for c in self._conns.values()) or self._retry:
             return 0.001
+        if time.monotonic() - self._last_activity < _ACTIVE_S and self.transport is not None:
+            return 0.001  # peers may be reading from us: keep UCX progressing
         return 0.05
 
     def _exec(self, fn: Callable[[], None]) -> None:
@@ -735,6 +742,7 @@ class Endpoint:
         conn = self._conn(h.producer)
         if conn.state == "failed":
             return h.finish(conn.reason or "UNREACHABLE", conn.error)
+        self._wake_conn(conn)
         conn.holds[h.req] = h
         if conn.state == "ready":
             self._send(conn, h.message(conn.session))
@@ -756,6 +764,7 @@ class Endpoint:
             if t.state != PENDING:
                 continue
             conn = self._conn(t.ref.producer)
+            self._wake_conn(conn)
             if conn.state == "failed":
                 self._fail(t, conn.error, conn.reason or "UNREACHABLE")
             elif conn.state == "connecting":
@@ -763,6 +772,14 @@ class Endpoint:
                 conn.waiting.append(t)
             else:
                 self._dispatch(conn, t)
+
+    @staticmethod
+    def _wake_conn(conn: _Conn) -> None:
+        """New work on a connection that had none: its peer's silence is counted from now (an
+        inline endpoint runs no timers while its owner is away, so older silence proves nothing)."""
+        if conn.state == "ready" and not conn.busy:
+            conn.last_heard = max(conn.last_heard, time.monotonic())
+            conn.idle = False
 
     def _dispatch(self, conn: _Conn, t: LoadTicket) -> None:
         """Reserve the slot and ask for the item the way this link prefers."""
@@ -787,11 +804,13 @@ class Endpoint:
             conn.get_queue.append(t)
 
     def _post_read(self, conn: _Conn, t: LoadTicket, remote_block: int) -> None:
+        # No notification rides the READ: NIXL would report DONE only once the producer's side
+        # has taken it, which needs the producer's progress. The read-done notification is sent
+        # after DONE instead (_poll_reads), off the waiting path.
         nblocks = self.pool.blocks_for(t.ref.desc.nbytes)
-        notif = P.encode_notif(P.NOTIF_READ_DONE, conn.session, t.mm_hash, t.ref.reader)
         t.t_post = time.perf_counter()
         try:
-            t.xfer = self.transport.post("READ", conn.peer, t.slot.block, remote_block, nblocks, notif)
+            t.xfer = self.transport.post("READ", conn.peer, t.slot.block, remote_block, nblocks)
         except TransferFailed as e:
             return self._fail(t, str(e), e.reason)
         t.phase = "read"
@@ -997,9 +1016,21 @@ class Endpoint:
                 still.append(t)
             elif st == "DONE":
                 self._landed(t)
+                self._notify_read(t)
             else:
                 self._fail_xfer(t, f"READ from {t.ref.producer} failed (NIXL ERR)", "XFER_ERR")
         self._reads = still
+
+    def _notify_read(self, t: LoadTicket) -> None:
+        """Tell the producer this reader is done with the item (it frees it after all readers)."""
+        conn = self._conns.get(t.ref.producer)
+        if conn is None or conn.peer is None:
+            return  # producer gone: its lease expiry frees the item
+        try:
+            self.transport.send_notif(conn.peer.name,
+                                      P.encode_notif(P.NOTIF_READ_DONE, conn.session, t.mm_hash, t.ref.reader))
+        except Exception as e:  # the lease still frees the item
+            logger.debug("read-done notification to %s failed: %s", conn.address, e)
 
     def _landed(self, t: LoadTicket) -> None:
         t.t_done = time.perf_counter()
@@ -1144,6 +1175,7 @@ class Endpoint:
     # producer internals (owner thread)
 
     def _serve_some(self) -> None:
+        self._last_activity = time.monotonic()
         for _ in range(256):
             try:
                 identity, data = self._server.recv_multipart(zmq.NOBLOCK)[:2]
@@ -1446,6 +1478,8 @@ class Endpoint:
         except Exception as e:  # pragma: no cover
             logger.warning("get_new_notifs failed: %s", e)
             return
+        if notifs:
+            self._last_activity = time.monotonic()
         for agent, data in notifs:
             self._on_notif(agent, data)
 

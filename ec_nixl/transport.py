@@ -78,13 +78,17 @@ class Transport:
         backends: tuple[str, ...] = ("UCX",),
         backend_params: Optional[dict[str, str]] = None,
         telemetry: bool = True,
+        progress_thread: bool = False,
     ):
         nixl_agent, nixl_agent_config = load_nixl()
         self.name = name
         self.arena = arena
         self.block_size = block_size
         self._owner = threading.get_ident()
-        self._agent = nixl_agent(name, nixl_agent_config(backends=[], capture_telemetry=telemetry))
+        # NIXL's progress thread spins even when idle; without it, every NIXL call we make (polls,
+        # notification drains) drives UCX, and the endpoint keeps calling while peers are active.
+        self._agent = nixl_agent(name, nixl_agent_config(backends=[], capture_telemetry=telemetry,
+                                                         enable_prog_thread=progress_thread))
         for b in backends:
             params = dict(backend_params or {}) if b == "UCX" else {}
             try:
@@ -125,11 +129,19 @@ class Transport:
 
     # --- peers --------------------------------------------------------------------------
 
-    def add_peer(self, md: bytes, arena: ArenaInfo, incarnation: str) -> Peer:
-        """Load a peer's metadata and prep its arena once; a restarted peer replaces the old one."""
+    def add_peer(self, md: bytes, arena: ArenaInfo, incarnation: str, name: Optional[str] = None) -> Peer:
+        """Load a peer's metadata and prep its arena once; a restarted peer replaces the old one.
+
+        ``name`` is the agent name the peer announced: when we still hold another incarnation of
+        it (a restarted process), its metadata and dlist are dropped first, since NIXL refuses new
+        metadata under a name it holds (NIXL_ERR_NOT_ALLOWED) and the old dlist is stale.
+        """
         self._check_owner()
         if arena.block != self.block_size:
             raise ConfigError(f"peer block size {arena.block} != local {self.block_size}")
+        stale = self.peers.get(name) if name is not None else None
+        if stale is not None and stale.incarnation != incarnation:
+            self.forget_peer(stale.name)
         name = self._agent.add_remote_agent(md)
         name = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
         old = self.peers.get(name)
@@ -138,7 +150,18 @@ class Transport:
                 return old
             self._drop_dlist(old)
         nblocks = arena.size // arena.block
-        dlist = self._agent.prep_xfer_dlist(name, self._strided(arena.base, nblocks, arena.device), arena.mem_type)
+        try:
+            dlist = self._agent.prep_xfer_dlist(name, self._strided(arena.base, nblocks, arena.device),
+                                                arena.mem_type)
+        except Exception:
+            # An arena outside what the peer registered: unload its metadata again, or NIXL would
+            # refuse this name's next (correct) metadata for good.
+            self.peers.pop(name, None)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as e:
+                logger.debug("remove_remote_agent(%s): %s", name, e)
+            raise
         peer = Peer(name=name, arena=arena, dlist=dlist, incarnation=incarnation)
         self.peers[name] = peer
         try:

@@ -210,15 +210,9 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                 started.wait(10)
                 conn.send(("ok", time.monotonic()))
             elif cmd == "drop_read_notifs":
-                # FAULT INJECTION: this consumer's READs carry no notification from now on, as if
-                # every "read done" message were lost on its way to the producer.
-                tr = ep.transport
-                post = tr.post
-
-                def post_without_notif(op, peer, local_block, remote_block, nblocks, notif=b""):
-                    return post(op, peer, local_block, remote_block, nblocks, b"" if op == "READ" else notif)
-
-                tr.post = post_without_notif
+                # FAULT INJECTION: this consumer's read-done notifications are dropped from now on,
+                # as if every one were lost on its way to the producer.
+                ep.transport.send_notif = lambda peer, msg: None
                 conn.send(("ok", None))
             elif cmd == "pushes":
                 # Producer: the pushes it is working on, as (mm_hash, 'queued' | 'posted').

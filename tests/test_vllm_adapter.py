@@ -341,3 +341,30 @@ def test_producer_worker_pins_a_step_with_one_pack_and_serves_it(tiny_model):
             assert all(torch.equal(out[h], cache[h]) for h in "ab")
     finally:
         w.shutdown()
+
+
+def test_decisions_are_made_once_per_request(producer, consumer_sides):
+    """Bad params are judged (and counted) once, not on every engine step; a metadata-only item
+    without usable params fails its request instead of reaching a local encode that would crash."""
+    vc, sched, worker = consumer_sides()
+    bad = request("b", [feature("x")], params_for("x", producer.address, shape=[1, 2], nbytes=4))
+    for _ in range(5):
+        assert sched.ensure_cache_available(bad, 0) is True
+    assert sched.get_stats().reduce()["local_fallbacks"] == 1
+    plain = request("p", [feature("y")])  # a normal local request on a consumer
+    assert all(sched.ensure_cache_available(plain, 0) for _ in range(3))
+    meta_only = request("m", [feature("z", media=False)])
+    assert sched.ensure_cache_available(meta_only, 0) is False
+    assert sched.take_unavailable_requests() == {"m"}
+    done = request("d", [feature("z", media=False)])  # its placeholder is already computed
+    assert sched.ensure_cache_available(done, 7 + ROWS) is True
+
+
+def test_load_specs_carry_the_holding_producers_incarnation(producer, consumer_sides):
+    vc, sched, worker = consumer_sides()
+    producer.call("publish", [("inc", (ROWS, WIDTH), "bfloat16", 3)])
+    req = request("i", [feature("inc")], params_for("inc", producer.address))
+    assert admit(sched, req)
+    sched.update_state_after_alloc(req, 0)
+    spec = sched.build_connector_meta(None).loads[0]
+    assert spec.incarnation == producer.incarnation and spec.incarnation

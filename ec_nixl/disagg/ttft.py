@@ -76,9 +76,16 @@ async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, 
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
         async for line in r.content:
-            if ttft is None and line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                if _has_token(json.loads(line[6:])):
-                    ttft = time.perf_counter() - t0
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                # vLLM fails a request after the 200 and maybe after some tokens (e.g. when its
+                # encoder outputs did not arrive): an error event, then [DONE]. Not a success.
+                err = chunk["error"]
+                raise RuntimeError(f"stream failed: {err.get('message', err) if isinstance(err, dict) else err}")
+            if ttft is None and _has_token(chunk):
+                ttft = time.perf_counter() - t0
     total = time.perf_counter() - t0
     if ttft is None:
         raise RuntimeError("stream ended without a token")

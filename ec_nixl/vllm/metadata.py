@@ -40,6 +40,7 @@ class LoadSpec:
     producer: str
     block: int
     valid_until: float
+    incarnation: str = ""  # of the producer that gave ``block``: a restarted one is asked again
 
 
 @dataclass

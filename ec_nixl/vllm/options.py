@@ -27,6 +27,9 @@ class NixlECOptions:
     backends: tuple = ("UCX",)
     backend_params: dict = field(default_factory=dict)
     """Backend init parameters, e.g. {"ucx_error_handling_mode": "peer"}."""
+    nixl_progress_thread: Optional[bool] = None
+    """NIXL's own progress thread (spins, one core per rank): default on for the serving producer
+    rank, off for consumers (they drive NIXL while they wait)."""
     token: Optional[str] = None
     """Shared secret every producer and consumer must hold (HMAC over the handshake)."""
     block_bytes: int = 64 << 10
@@ -172,6 +175,7 @@ def endpoint_config(p: Placement, opts: NixlECOptions, compat: dict, *, control_
         mode=opts.mode,
         backends=tuple(opts.backends),
         backend_params=dict(opts.backend_params),
+        nixl_progress_thread=opts.nixl_progress_thread,
         load_timeout_s=opts.load_timeout_s,
         announce_lease_s=opts.announce_lease_s,
         grant_lease_s=opts.grant_lease_s,

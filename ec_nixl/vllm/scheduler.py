@@ -81,13 +81,13 @@ class SchedulerSide:
             return True
         adm = self._reqs.get(request.request_id)
         if adm is None:
-            adm = self._admit(request)
-            if adm is None:
-                return True
+            adm = self._admit(request, num_computed_tokens)
             self._send_holds(adm)
             holds = [it.hold for it in adm.items.values() if it.hold is not None]
             if holds and self.opts.admission_wait_s > 0:
                 self.endpoint.wait_for(lambda: all(h.done for h in holds), self.opts.admission_wait_s)
+        if not adm.items and not adm.failed:
+            return True  # nothing remote: vLLM encodes it (decided once per request)
         if adm.failed:
             return False
         pending = False
@@ -116,32 +116,46 @@ class SchedulerSide:
             return False
         return True
 
-    def _admit(self, request) -> Optional[_Admission]:
+    def _admit(self, request, num_computed_tokens: int) -> _Admission:
+        """First sight of a request: validate its params once, decide what is remote or local.
+
+        A feature that carries no media (a metadata-only placeholder) and has no valid remote
+        item cannot be encoded here: its request fails now, with the reason, instead of crashing
+        the engine in the encoder later.
+        """
+        rid = request.request_id
+        adm = _Admission(rid, {})
+        self._reqs[rid] = adm
         params = getattr(request, "ec_transfer_params", None)
-        if not params or not request.mm_features:
-            return None
-        expected = {f.identifier: f.mm_position.get_num_embeds() for f in request.mm_features}
-        items, errors = parse_params(params, expected, self.dtype)
-        adm = _Admission(request.request_id, {})
-        by_id = {f.identifier: f for f in request.mm_features}
+        needed = [f for f in request.mm_features
+                  if f.mm_position.offset + f.mm_position.length > num_computed_tokens]
+        by_id = {f.identifier: f for f in needed}
+        items, errors = ({}, {})
+        if params:
+            expected = {f.identifier: f.mm_position.get_num_embeds() for f in request.mm_features}
+            items, errors = parse_params(params, expected, self.dtype)
         for h, remote in items.items():
-            f = by_id[h]
+            f = by_id.get(h)
+            if f is None:
+                continue  # already computed (prefix cache): nothing to load
             adm.items[h] = _Item(remote, self._has_media(f), f.mm_position.offset + f.mm_position.length)
-            self._users.setdefault(h, set()).add(request.request_id)
+            self._users.setdefault(h, set()).add(rid)
         for h, why in errors.items():
             f = by_id.get(h)
-            msg = f"request {request.request_id}: bad ec_transfer_params for item {h}: {why}"
+            msg = f"request {rid}: bad ec_transfer_params for item {h}: {why}"
             if f is not None and self._has_media(f) and self.opts.fallback == "auto":
                 logger.warning("%s; encoding it locally", msg)
                 self.metrics.count("local_fallbacks")
             else:
-                logger.error("%s", msg)
-                adm.failed = msg
-        if not adm.items and not adm.failed:
-            return None
-        self._reqs[request.request_id] = adm
-        if adm.failed:
-            self._unavailable.add(request.request_id)
+                logger.warning("%s", msg)
+        for f in needed:
+            if f.identifier not in adm.items and not self._has_media(f):
+                why = errors.get(f.identifier) or errors.get("*") or "no ec_transfer_params for it"
+                adm.failed = (f"request {rid}: item {f.identifier} carries no media to encode here and "
+                              f"cannot be loaded ({why})")
+                logger.error("%s; failing the request", adm.failed)
+                self._unavailable.add(rid)
+                break
         return adm
 
     def _send_holds(self, adm: _Admission) -> None:
@@ -163,7 +177,7 @@ class SchedulerSide:
                 self._give_up(adm, h, it, f"not ready at its producer after {self.opts.admission_timeout_s:.1f}s")
             return
         state = it.hold.states[h]
-        it.hold = None
+        incarnation, it.hold = it.hold.incarnation, None
         if state.status == "ready":
             try:
                 P.validate_state_matches(state, it.remote.desc)
@@ -171,7 +185,7 @@ class SchedulerSide:
                 return self._give_up(adm, h, it, f"producer answered inconsistently: {e}")
             it.status = "ready"
             self._ready[h] = LoadSpec("", it.remote.desc, it.remote.producer, state.block,
-                                      time.time() + max(0.0, state.lease_s - 1.0))
+                                      time.time() + max(0.0, state.lease_s - 1.0), incarnation)
             return
         retry = state.status in _RETRY or (state.status == P.Nack.MISSING.value
                                            and now - adm.t0 < self.opts.missing_grace_s)
@@ -183,9 +197,10 @@ class SchedulerSide:
 
     def _refresh(self, h: str, it: _Item) -> None:
         state = it.hold.states[h]
-        it.hold = None
+        incarnation, it.hold = it.hold.incarnation, None
         spec = self._ready.get(h)
         if state.status == "ready" and spec is not None:
+            spec.block, spec.incarnation = state.block, incarnation
             spec.valid_until = time.time() + max(0.0, state.lease_s - 1.0)
 
     def _give_up(self, adm: _Admission, h: str, it: _Item, why: str) -> None:
@@ -227,7 +242,7 @@ class SchedulerSide:
             spec = self._ready.get(h)
             if spec is not None:
                 self._loads.append(LoadSpec(request.request_id, spec.desc, spec.producer, spec.block,
-                                            spec.valid_until))
+                                            spec.valid_until, spec.incarnation))
                 self._loaded.add(h)
         if self.place.is_producer:
             self._publish.append(h)

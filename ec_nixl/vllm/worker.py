@@ -105,7 +105,7 @@ class WorkerSide:
             return
         p = self.place
         refs = [ItemRef(desc=s.desc, producer=s.producer, block=s.block, valid_until=s.valid_until,
-                        reader=p.reader, readers=p.readers) for s in specs.values()]
+                        incarnation=s.incarnation, reader=p.reader, readers=p.readers) for s in specs.values()]
         tickets = self.endpoint.load(refs)
         try:
             self.barrier.wait(tickets)
@@ -159,7 +159,9 @@ class WorkerSide:
 
     def worker_meta(self) -> Optional[NixlECWorkerMeta]:
         stats = None
-        if self.endpoint is not None:
+        if self.endpoint is not None and self.place.is_consumer:
+            # (vLLM drops an encode-only producer's worker output: its counters stay in the
+            # endpoint, cumulative, for `ec-nixl status`.)
             snap = self.endpoint.metrics.snapshot(reset=True)
             pool = self.endpoint.pool.stats()
             occupancy = (pool.used, pool.slots)

@@ -3,10 +3,10 @@ launcher and proxy, must give the same greedy tokens as one colocated server, an
 really have taken the encoder outputs from the connector (it silently re-encodes when nothing
 arrives, so equal tokens alone prove nothing).
 
-Per module: one tiny random Qwen2-VL (built offline, tests/e2e/build_tiny_vl.py), one colocated
-baseline server and, per connector in CONNECTORS, one E + PD cluster; all servers start at once and
-serve every case. ~1 min on 2 cores. Each connector has a probe (PROBES) that counts what its
-producers published and its consumers loaded: files + DEBUG log lines for ECExampleConnector; a
+One tiny random Qwen2-VL (built offline, tests/e2e/build_tiny_vl.py) and one colocated baseline
+server per session (tests/e2e/conftest.py) and, per connector in CONNECTORS, one E + PD cluster;
+all servers start at once and serve every case. ~1 min on 2 cores. Each connector has a probe
+(PROBES) that counts what its producers published and its consumers loaded: files + DEBUG log lines for ECExampleConnector; a
 NixlECConnector probe reads the same two counters from the connector's statistics.
 
     pytest -m e2e tests/e2e -v
@@ -14,12 +14,6 @@ NixlECConnector probe reads the same two counters from the connector's statistic
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,26 +22,23 @@ import pytest
 pytest.importorskip("vllm")
 requests = pytest.importorskip("requests")
 
-from ec_nixl.disagg.launcher import (  # noqa: E402
-    Cluster,
-    Instance,
-    LaunchConfig,
-    Supervisor,
-    instance_env,
-    vllm_argv,
+from conftest import (  # noqa: E402  (tests/e2e/conftest.py: shared baseline server and helpers)
+    BASE_ENV,
+    COMMON_VLLM_ARGS,
+    REQUEST_TIMEOUT_S,
+    STARTUP_TIMEOUT_S,
+    Baseline,
+    free_port_block,
+    token_ids,
 )
+from ec_nixl.disagg.launcher import Cluster, LaunchConfig  # noqa: E402
 from ec_nixl.disagg.ttft import chat_body  # noqa: E402  (the requests ttft.py measures)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 CONNECTORS = ["ECExampleConnector"]  # NixlECConnector: add its name here and its probe to PROBES
 
-VLLM_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager", "--dtype", "bfloat16",
-             "--limit-mm-per-prompt", '{"image":4,"video":0}', "--disable-log-stats"]
-# Every server gets one core and thus one OpenMP thread, so that reductions (and greedy tokens) match.
-BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-STARTUP_TIMEOUT_S = 600.0
-REQUEST_TIMEOUT_S = 120.0
+VLLM_ARGS = COMMON_VLLM_ARGS + ["--disable-log-stats"]
 
 # (name, image sizes, stream). Every image appears in one case only: an item already in an
 # instance's encoder cache is neither re-published nor re-loaded, which would skew the probe counts.
@@ -84,76 +75,6 @@ class ExampleConnectorProbe:
 PROBES = {"ECExampleConnector": ExampleConnectorProbe}
 
 
-def free_port_block(n: int) -> int:
-    """First of ``n`` consecutive free TCP ports (others may run servers on this host too)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
-def token_ids(url: str, body: dict[str, Any]) -> list[int]:
-    """Generated token ids, from a plain answer or from the deltas of a streamed one."""
-    r = requests.post(url + "/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S, stream=body["stream"])
-    assert r.status_code == 200, f"{url}: HTTP {r.status_code}: {r.text[:500]}"
-    if not body["stream"]:
-        return r.json()["choices"][0]["token_ids"]
-    ids: list[int] = []
-    for line in r.iter_lines():
-        if line.startswith(b"data: ") and line != b"data: [DONE]":
-            for choice in json.loads(line[6:])["choices"]:
-                ids += choice.get("token_ids") or []
-    return ids
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = tmp_path_factory.mktemp("model") / "tiny-vl"
-    subprocess.run([sys.executable, str(Path(__file__).with_name("build_tiny_vl.py")), str(out)], check=True,
-                   capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    return str(out)
-
-
-class Baseline:
-    """One colocated server (no EC config); started at once, waited for on first use."""
-
-    def __init__(self, sup: Supervisor, inst: Instance):
-        self.sup, self.inst, self.ready = sup, inst, False
-        self.results: dict[str, list[int]] = {}
-
-    def token_ids(self, case: str, body: dict[str, Any]) -> list[int]:
-        if not self.ready:
-            self.sup.wait_healthy([self.inst], STARTUP_TIMEOUT_S)
-            self.ready = True
-        if case not in self.results:
-            self.results[case] = token_ids(self.inst.url, body)
-        return self.results[case]
-
-
-@pytest.fixture(scope="module")
-def baseline(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Baseline]:
-    port = free_port_block(1)
-    log = tmp_path_factory.mktemp("baseline") / "baseline.log"
-    inst = Instance(name="baseline", role="baseline", port=port, log_path=log,
-                    argv=vllm_argv(tiny_model, port, VLLM_ARGS, None),
-                    env=instance_env(dict(os.environ), str(max(os.sched_getaffinity(0))), None, BASE_ENV))
-    with Supervisor() as sup:
-        sup.spawn(inst)
-        yield Baseline(sup, inst)
-
-
 @pytest.fixture(scope="module", params=CONNECTORS)
 def disagg(request: pytest.FixtureRequest, baseline: Baseline, tiny_model: str,
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Any]]:
@@ -177,7 +98,7 @@ def test_disagg_matches_colocated(disagg: tuple[Cluster, Any], baseline: Baselin
                                   case: str, sizes: list[tuple[int, int]], stream: bool) -> None:
     cluster, probe = disagg
     body = chat_body(tiny_model, sizes, case, stream=stream)
-    expected = baseline.token_ids(case, dict(body, stream=False))
+    expected = baseline.token_ids(body)
     assert len(expected) == 8
 
     before = probe.counts(cluster)
