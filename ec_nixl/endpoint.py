@@ -126,7 +126,7 @@ class LoadTicket:
     """One item being loaded; LANDED once its bytes are in this endpoint's pool."""
 
     __slots__ = ("ref", "slot", "state", "phase", "error", "reason", "retryable", "deadline",
-                 "t_start", "t_post", "t_done", "xfer", "retry_at", "mode", "_ep", "released", "event")
+                 "t_start", "t_post", "t_done", "xfer", "retry_at", "mode", "_ep", "released", "event", "_view")
 
     def __init__(self, ref: ItemRef, deadline: float, ep: "Endpoint"):
         self.ref = ref
@@ -146,6 +146,7 @@ class LoadTicket:
         self._ep = ep
         self.released = False
         self.event = None  # a CUDA event, when the bytes became visible through stream work
+        self._view: Optional[torch.Tensor] = None
 
     @property
     def mm_hash(self) -> str:
@@ -156,11 +157,13 @@ class LoadTicket:
         return self.state != PENDING
 
     def tensor(self) -> torch.Tensor:
-        """The landed item as a view into the pool (valid until ``release``)."""
+        """The landed item as a view into the pool (valid until ``release``); built once."""
         if self.state != LANDED or self.slot is None:
             raise RuntimeError(f"item {self.mm_hash} is {self.state}, not landed")
-        d = self.ref.desc
-        return self.slot.view(d.shape, torch_dtype(d.dtype))
+        if self._view is None:
+            d = self.ref.desc
+            self._view = self.slot.view(d.shape, torch_dtype(d.dtype))
+        return self._view
 
     def release(self, fence: Optional[Fence] = None) -> None:
         """Give the slot back once ``fence`` (e.g. the gather's CUDA event) has completed."""
@@ -1045,6 +1048,7 @@ class Endpoint:
         else:
             self.metrics.transfer(t.ref.desc.nbytes, 0.0, t.t_done - t.t_post)
         t.state, t.phase = LANDED, "done"
+        t.tensor()  # build the view now, off the waiter's path
         self.metrics.count("loads_landed")
         self._changed = True
 

@@ -77,7 +77,7 @@ class Slot:
 
     def view(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """The slot's first bytes as a tensor of ``shape``/``dtype`` (no copy)."""
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = torch.Size(shape).numel() * dtype.itemsize
         if n > self.nblocks * self.pool.block_size:
             raise ValueError(f"{tuple(shape)} {dtype} needs {n} B; {self!r} has {self.nblocks * self.pool.block_size}")
         return self.pool.arena.view(self.offset, n).view(dtype).view(*shape)
