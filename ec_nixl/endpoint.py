@@ -198,6 +198,7 @@ class _Conn:
         self.waiting: list[LoadTicket] = []  # until the handshake completes
         self.get_queue: list[LoadTicket] = []  # to send in the next Get
         self.push_queue: list[LoadTicket] = []
+        self.read_queue: list[tuple[LoadTicket, int]] = []  # (ticket, producer block) to READ this round
         self.by_req: dict[int, list[LoadTicket]] = {}
         self.pushed: dict[str, LoadTicket] = {}  # mm_hash -> ticket awaiting the W notification
         self.holds: dict[int, "HoldRequest | StatsRequest"] = {}  # req -> query awaiting its answer
@@ -205,8 +206,8 @@ class _Conn:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.get_queue or self.push_queue or self.by_req or self.pushed
-                    or self.zombies or self.holds)
+        return bool(self.waiting or self.get_queue or self.push_queue or self.read_queue or self.by_req
+                    or self.pushed or self.zombies or self.holds)
 
 
 class HoldRequest:
@@ -807,23 +808,37 @@ class Endpoint:
             conn.get_queue.append(t)
 
     def _post_read(self, conn: _Conn, t: LoadTicket, remote_block: int) -> None:
+        """Queue a READ; ``_flush`` posts this round's READs from one producer as ONE request."""
+        t.phase = "read-queued"
+        conn.read_queue.append((t, remote_block))
+
+    def _post_reads(self, conn: _Conn) -> None:
         # No notification rides the READ: NIXL would report DONE only once the producer's side
         # has taken it, which needs the producer's progress. The read-done notification is sent
         # after DONE instead (_poll_reads), off the waiting path.
-        nblocks = self.pool.blocks_for(t.ref.desc.nbytes)
-        t.t_post = time.perf_counter()
+        batch = [(t, b) for t, b in conn.read_queue if t.state == PENDING]
+        conn.read_queue = []
+        if not batch:
+            return
+        t_post = time.perf_counter()
         try:
-            t.xfer = self.transport.post("READ", conn.peer, t.slot.block, remote_block, nblocks)
+            x = self.transport.post_many("READ", conn.peer, [(t.slot.block, b, self.pool.blocks_for(t.ref.desc.nbytes))
+                                                             for t, b in batch])
         except TransferFailed as e:
-            return self._fail(t, str(e), e.reason)
-        t.phase = "read"
-        self._reads.append(t)
+            for t, _ in batch:
+                self._fail(t, str(e), e.reason)
+            return
+        for t, _ in batch:
+            t.xfer, t.t_post, t.phase = x, t_post, "read"
+            self._reads.append(t)
 
     def _flush(self) -> None:
         """Send the Get and Push batches gathered this round: one message per producer and reader."""
         for conn in self._conns.values():
-            if conn.state != "ready" or not (conn.get_queue or conn.push_queue):
+            if conn.state != "ready" or not (conn.get_queue or conn.push_queue or conn.read_queue):
                 continue
+            if conn.read_queue:
+                self._post_reads(conn)
             gets, conn.get_queue = conn.get_queue, []
             for (reader, readers), batch in _by_reader(gets).items():
                 req = next(self._reqs)
@@ -1010,7 +1025,8 @@ class Endpoint:
             self._fail(t, "producer's grant left this item out", "BAD_GRANT")
 
     def _poll_reads(self) -> None:
-        still = []
+        still: list[LoadTicket] = []
+        done: dict[int, tuple[Xfer, list[LoadTicket]]] = {}
         for t in self._reads:
             if t.state != PENDING:
                 continue
@@ -1018,34 +1034,45 @@ class Endpoint:
             if st == "PROC":
                 still.append(t)
             elif st == "DONE":
-                self._landed(t)
-                self._notify_read(t)
+                done.setdefault(id(t.xfer), (t.xfer, []))[1].append(t)
             else:
                 self._fail_xfer(t, f"READ from {t.ref.producer} failed (NIXL ERR)", "XFER_ERR")
         self._reads = still
+        for x, tickets in done.values():
+            self._record(x, tickets[0].t_post)
+            for t in tickets:
+                t.xfer = None
+                self._landed(t, record=False)
+            self._notify_read(tickets)
 
-    def _notify_read(self, t: LoadTicket) -> None:
-        """Tell the producer this reader is done with the item (it frees it after all readers)."""
-        conn = self._conns.get(t.ref.producer)
-        if conn is None or conn.peer is None:
-            return  # producer gone: its lease expiry frees the item
-        try:
-            self.transport.send_notif(conn.peer.name,
-                                      P.encode_notif(P.NOTIF_READ_DONE, conn.session, t.mm_hash, t.ref.reader))
-        except Exception as e:  # the lease still frees the item
-            logger.debug("read-done notification to %s failed: %s", conn.address, e)
-
-    def _landed(self, t: LoadTicket) -> None:
-        t.t_done = time.perf_counter()
-        if t.xfer is not None:
-            tel = self.transport.telemetry(t.xfer)
-            self.transport.release(t.xfer)
-            if tel is not None:
-                self.metrics.transfer(t.ref.desc.nbytes, tel[0] * 1e-6, tel[1] * 1e-6, tel[3])
-            else:
-                self.metrics.transfer(t.ref.desc.nbytes, 0.0, t.t_done - t.t_post)
-            t.xfer = None
+    def _record(self, x: Xfer, t_post: float) -> None:
+        """Telemetry of one finished request (all its items), then release it."""
+        tel = self.transport.telemetry(x)
+        self.transport.release(x)
+        if tel is not None:
+            self.metrics.transfer(x.nbytes, tel[0] * 1e-6, tel[1] * 1e-6, tel[3])
         else:
+            self.metrics.transfer(x.nbytes, 0.0, time.perf_counter() - t_post)
+
+    def _notify_read(self, tickets: list[LoadTicket]) -> None:
+        """Tell the producer these readers are done with the items (it frees each after all readers)."""
+        conn = self._conns.get(tickets[0].ref.producer)
+        if conn is None or conn.peer is None:
+            return  # producer gone: its lease expiry frees the items
+        by_reader: dict[int, list[str]] = {}
+        for t in tickets:
+            by_reader.setdefault(t.ref.reader, []).append(t.mm_hash)
+        for reader, hashes in by_reader.items():
+            try:
+                self.transport.send_notif(conn.peer.name, P.encode_notif(P.NOTIF_READ_DONE, conn.session,
+                                                                         hashes, reader))
+            except Exception as e:  # the lease still frees the items
+                logger.debug("read-done notification to %s failed: %s", conn.address, e)
+
+    def _landed(self, t: LoadTicket, record: bool = True) -> None:
+        """The item's bytes are in our pool (READ done, or the producer's WRITE notification)."""
+        t.t_done = time.perf_counter()
+        if record:  # a pushed item: the producer timed the WRITE; we see post -> notification
             self.metrics.transfer(t.ref.desc.nbytes, 0.0, t.t_done - t.t_post)
         t.state, t.phase = LANDED, "done"
         t.tensor()  # build the view now, off the waiter's path
@@ -1137,9 +1164,10 @@ class Endpoint:
             for t in batch:
                 self._fail(t, error, "PEER_LOST")
         conn.by_req.clear()
-        for t in conn.get_queue + conn.push_queue + conn.waiting:
+        for t in conn.get_queue + conn.push_queue + conn.waiting + [t for t, _ in conn.read_queue]:
             if isinstance(t, LoadTicket):
                 self._fail(t, error, "PEER_LOST")
+        conn.read_queue = []
         conn.get_queue, conn.push_queue, conn.waiting = [], [], []
         for t in list(conn.pushed.values()):
             # A WRITE may have been posted by the (maybe only partitioned) producer.
@@ -1354,42 +1382,52 @@ class Endpoint:
         self._poll_pushes()
 
     def _poll_pushes(self) -> None:
-        """Post queued pushes whose item is ready; finish the ones NIXL reports done."""
+        """Post queued pushes whose item is ready (one WRITE per consumer session and reader,
+        carrying every ready item); finish the ones NIXL reports done."""
+        groups: dict[tuple[str, int], list[tuple[_Item, _Push]]] = {}
+        for item, push in self._active_pushes:
+            if push.state == "queued" and item.pushes.get((push.session, push.reader)) is push \
+                    and push.session in self._sessions and item.is_ready():
+                groups.setdefault((push.session, push.reader), []).append((item, push))
+        for (sid, reader), batch in groups.items():
+            s = self._sessions[sid]
+            notif = P.encode_notif(P.NOTIF_WRITE_DONE, sid, [it.desc.mm_hash for it, _ in batch], reader)
+            try:
+                x = self.transport.post_many("WRITE", s.peer, [(it.slot.block, p.block, it.slot.nblocks)
+                                                               for it, p in batch], notif)
+            except TransferFailed as e:
+                for it, p in batch:
+                    self._push_failed(s, it, p, str(e))
+                continue
+            for _, p in batch:
+                p.xfer, p.state = x, "posted"
         still = []
         for item, push in self._active_pushes:
             s = self._sessions.get(push.session)
-            key = (push.session, push.reader)
-            if item.pushes.get(key) is not push:
-                continue  # cancelled
+            if item.pushes.get((push.session, push.reader)) is not push:
+                continue  # cancelled, failed or done
             if s is None:
                 self._end_push(item, push, ok=False)
                 continue
             if push.state == "queued":
-                if not item.is_ready():
-                    still.append((item, push))
-                    continue
-                notif = P.encode_notif(P.NOTIF_WRITE_DONE, push.session, item.desc.mm_hash, push.reader)
-                try:
-                    push.xfer = self.transport.post("WRITE", s.peer, item.slot.block, push.block,
-                                                    item.slot.nblocks, notif)
-                except TransferFailed as e:
-                    self._push_failed(s, item, push, str(e))
-                    continue
-                push.state = "posted"
-            st = self.transport.poll(push.xfer)
+                still.append((item, push))
+                continue
+            x = push.xfer
+            st = self.transport.poll(x)
             if st == "PROC":
                 still.append((item, push))
             elif st == "DONE":
-                tel = self.transport.telemetry(push.xfer)
-                self.transport.release(push.xfer)
-                if tel is not None:
-                    self.metrics.transfer(item.desc.nbytes, tel[0] * 1e-6, tel[1] * 1e-6, tel[3])
+                if not x.released:
+                    tel = self.transport.telemetry(x)
+                    self.transport.release(x)
+                    if tel is not None:
+                        self.metrics.transfer(x.nbytes, tel[0] * 1e-6, tel[1] * 1e-6, tel[3])
                 self._end_push(item, push, ok=True)
             else:
-                self.metrics.count("failed_transfers")
-                if not self.transport.release(push.xfer):
+                if not x.released:
+                    self.metrics.count("failed_transfers")
+                if not self.transport.release(x):
                     still.append((item, push))  # keep polling until NIXL lets it go
-                    push.state = "posted"
                     continue
                 self._push_failed(s, item, push, f"WRITE to {s.name} failed (NIXL ERR)")
         self._active_pushes = still
@@ -1431,25 +1469,27 @@ class Endpoint:
         if n is None:
             logger.debug("ignoring foreign notification from %s", agent)
             return
-        kind, sid, mm_hash, reader = n
+        kind, sid, mm_hashes, reader = n
         if kind == P.NOTIF_READ_DONE:
             s = self._sessions.get(sid)
             if s is None or s.name != agent:
                 return  # not a session of ours (or a forged one): ignore
-            with self._lock:
-                item = self._items.get(mm_hash)
-                if item is None:
-                    return
-                item.pins.pop((sid, reader), None)
-                item.done.setdefault(s.group, set()).add(reader)
-            self._maybe_free(item)
+            for mm_hash in mm_hashes:
+                with self._lock:
+                    item = self._items.get(mm_hash)
+                    if item is None:
+                        continue
+                    item.pins.pop((sid, reader), None)
+                    item.done.setdefault(s.group, set()).add(reader)
+                self._maybe_free(item)
         elif kind == P.NOTIF_WRITE_DONE:
             conn = self._by_session.get(sid)
             if conn is None or conn.name != agent:
                 return
-            t = conn.pushed.pop(mm_hash, None)
-            if t is not None and t.state == PENDING:
-                self._landed(t)
+            for mm_hash in mm_hashes:
+                t = conn.pushed.pop(mm_hash, None)
+                if t is not None and t.state == PENDING:
+                    self._landed(t)
 
     def _maybe_free(self, item: _Item) -> None:
         with self._lock:

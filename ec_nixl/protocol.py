@@ -252,24 +252,25 @@ def decode(data: bytes) -> Message:
 
 
 # --- notifications (NIXL notif payloads; consumer -> producer after READ, producer -> consumer
-# after WRITE). Tuples keep them to a few dozen bytes.
+# after WRITE). One per batch: the items of one request, for one reader.
 
 NOTIF_READ_DONE = "R"
 NOTIF_WRITE_DONE = "W"
 _notif_enc = msgspec.msgpack.Encoder()
-_notif_dec = msgspec.msgpack.Decoder(tuple[str, str, str, int])
+_notif_dec = msgspec.msgpack.Decoder(tuple[str, str, list[str], int])
 
 
-def encode_notif(kind: str, session: str, mm_hash: str, reader: int) -> bytes:
-    return _notif_enc.encode((kind, session, mm_hash, reader))
+def encode_notif(kind: str, session: str, mm_hashes: list[str], reader: int) -> bytes:
+    return _notif_enc.encode((kind, session, list(mm_hashes), reader))
 
 
-def decode_notif(data: bytes) -> Optional[tuple[str, str, str, int]]:
-    """Returns (kind, session, mm_hash, reader), or None for anything else (never raises)."""
+def decode_notif(data: bytes) -> Optional[tuple[str, str, list[str], int]]:
+    """Returns (kind, session, mm_hashes, reader), or None for anything else (never raises)."""
     try:
-        return _notif_dec.decode(data)
+        n = _notif_dec.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    return n if len(n[2]) <= MAX_ITEMS_PER_MESSAGE else None
 
 
 # --- semantic validation -----------------------------------------------------------------

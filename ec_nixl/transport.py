@@ -192,25 +192,40 @@ class Transport:
     def post(self, op: str, peer: Peer, local_block: int, remote_block: int, nblocks: int,
              notif: bytes = b"") -> Xfer:
         """Post one READ (peer -> us) or WRITE (us -> peer) of ``nblocks`` contiguous blocks."""
+        return self.post_many(op, peer, [(local_block, remote_block, nblocks)], notif)
+
+    def post_many(self, op: str, peer: Peer, ranges: list[tuple[int, int, int]], notif: bytes = b"") -> Xfer:
+        """Post ONE request moving several ``(local_block, remote_block, nblocks)`` ranges.
+
+        A step's items from one peer go as one NIXL request: one post, one completion, one
+        notification, whatever the count (NIXL merges adjacent blocks into single DMAs).
+        """
         self._check_owner()
-        if local_block < 0 or local_block + nblocks > self.nblocks:
-            raise TransferFailed(f"local blocks {local_block}+{nblocks} outside the arena", reason="BAD_RANGE")
-        if remote_block < 0 or (remote_block + nblocks) * peer.arena.block > peer.arena.size:
-            raise TransferFailed(f"remote blocks {remote_block}+{nblocks} outside {peer.name}'s arena",
-                                 reason="BAD_RANGE")
-        li = np.arange(local_block, local_block + nblocks, dtype=np.int32)
-        ri = np.arange(remote_block, remote_block + nblocks, dtype=np.int32)
+        if not ranges:
+            raise TransferFailed("nothing to transfer", reason="BAD_RANGE")
+        li, ri, total = [], [], 0
+        for local_block, remote_block, nblocks in ranges:
+            if nblocks <= 0 or local_block < 0 or local_block + nblocks > self.nblocks:
+                raise TransferFailed(f"local blocks {local_block}+{nblocks} outside the arena", reason="BAD_RANGE")
+            if remote_block < 0 or (remote_block + nblocks) * peer.arena.block > peer.arena.size:
+                raise TransferFailed(f"remote blocks {remote_block}+{nblocks} outside {peer.name}'s arena",
+                                     reason="BAD_RANGE")
+            li.append(np.arange(local_block, local_block + nblocks, dtype=np.int32))
+            ri.append(np.arange(remote_block, remote_block + nblocks, dtype=np.int32))
+            total += nblocks
+        li_a = li[0] if len(li) == 1 else np.concatenate(li)
+        ri_a = ri[0] if len(ri) == 1 else np.concatenate(ri)
         try:
-            h = self._agent.make_prepped_xfer(op, self._local, li, peer.dlist, ri, notif)
+            h = self._agent.make_prepped_xfer(op, self._local, li_a, peer.dlist, ri_a, notif)
             state = self._agent.transfer(h)
         except Exception as e:
             raise TransferFailed(f"{op} with {peer.name} could not be posted: {e}", reason="POST") from None
-        return Xfer(h, op, peer.name, nblocks * self.block_size, state)
+        return Xfer(h, op, peer.name, total * self.block_size, state)
 
     def poll(self, x: Xfer) -> str:
         """Current state: DONE, PROC or ERR (sticky once final)."""
         self._check_owner()
-        if x.state == "PROC":
+        if x.state == "PROC" and not x.released:
             try:
                 x.state = self._agent.check_xfer_state(x.handle)
             except Exception as e:
@@ -239,6 +254,8 @@ class Transport:
             logger.debug("release of %s transfer with %s failed: %s", x.op, x.peer, e)
             return False
         x.released = True
+        if x.state == "PROC":
+            x.state = "ERR"  # cancelled: whoever else shares this request sees it failed
         return True
 
     # --- notifications ------------------------------------------------------------------
