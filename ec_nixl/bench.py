@@ -1253,7 +1253,9 @@ def _plan(args) -> dict:
     cases = [((s.nbytes, s.shape, s.dtype, s.label), 1) for s in sizes]
     if items > 1:
         cases.append(((bspec.nbytes, bspec.shape, bspec.dtype, bspec.label), items))
-    largest = max([blocks(s.nbytes) * BLOCK * 4 for s in sizes] + [blocks(bspec.nbytes) * BLOCK * max(items, 1)])
+    # Headroom: a producer frees a step's items asynchronously (when its own poll sees the
+    # transfer done), so the next step may be created before the last one is gone.
+    largest = max([blocks(s.nbytes) * BLOCK * 4 for s in sizes] + [blocks(bspec.nbytes) * BLOCK * max(items, 1) * 2])
     if args.pool_bytes:
         pool = parse_size(args.pool_bytes).nbytes
     else:
