@@ -305,6 +305,7 @@ class Loader:
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         host, port = split_address(address)
         sock.connect(f"tcp://{host}:{port}")
+        logger.debug("connecting to producer %s", address)
         conn = _Conn(address, sock, monitor, P.new_nonce())
         self._conns[address] = conn
         self._poller.register(sock, zmq.POLLIN)
@@ -528,6 +529,7 @@ class Loader:
         if msg.compat != self.compat and not self.cfg.observer:
             return self._fail_conn(conn, f"producer {conn.address} is incompatible (compat hash "
                                    f"{msg.compat} != {self.compat}: model/dtype/width/block differ)", "INCOMPAT")
+        logger.debug("handshake with %s (%s) done: session %s", conn.address, msg.name, msg.session)
         conn.session, conn.name, conn.incarnation = msg.session, msg.name, msg.incarnation
         if self.transport is not None:
             if msg.agent_md is None or msg.arena is None:

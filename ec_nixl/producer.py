@@ -301,6 +301,7 @@ class Server:
         raise ProtocolError(f"unexpected {type(msg).__name__} from a consumer")
 
     def _on_hello(self, identity: bytes, msg: P.Hello) -> None:
+        logger.debug("hello from %s (%s)", msg.name, "data" if msg.agent_md is not None else "control")
         def refuse(reason: P.Nack, detail: str):
             self.metrics.fail(reason.value)
             logger.warning("ec-nixl: refused %s (%s): %s", msg.name, reason.value, detail)

@@ -8,6 +8,7 @@ every worker rank (role WORKER). Each hook goes to the delegate of its role
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -20,9 +21,22 @@ from ec_nixl.vllm.stats import NixlECConnectorStats, NixlECPromMetrics
 logger = logging.getLogger("ec_nixl.vllm")
 
 
+def _log_like_vllm() -> None:
+    """Send ec_nixl's records through vLLM's handlers (vLLM configures only its own logger)."""
+    ours, theirs = logging.getLogger("ec_nixl"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        src = theirs.handlers[0]
+        h = logging.StreamHandler(getattr(src, "stream", None))  # same stream and format as vLLM's,
+        h.setFormatter(src.formatter)  # but our own level (EC_NIXL_LOG_LEVEL, default vLLM's)
+        ours.addHandler(h)
+        ours.setLevel(os.environ.get("EC_NIXL_LOG_LEVEL", "").upper() or theirs.getEffectiveLevel())
+        ours.propagate = False
+
+
 class NixlECConnector(ECConnectorBase):
     def __init__(self, vllm_config, role: ECConnectorRole):
         super().__init__(vllm_config=vllm_config, role=role)
+        _log_like_vllm()
         ec = vllm_config.ec_transfer_config
         self.opts = parse_extra(ec.ec_connector_extra_config)
         self.scheduler = self.worker = None

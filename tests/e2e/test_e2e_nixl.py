@@ -135,8 +135,12 @@ def nixl(baseline: Baseline, tiny_model: str, tmp_path_factory: pytest.TempPathF
                        ec_buffer_size=POOL_BYTES, ec_buffer_device="cpu", vllm_args=VLLM_ARGS,
                        log_dir=workdir / "logs", env=dict(BASE_ENV), startup_timeout_s=STARTUP_TIMEOUT_S,
                        # Five vLLM instances share two cores here: no spinning NIXL progress thread
-                       # in the producers (ec-nixl drives NIXL itself; see docs/usage.md).
-                       extra_config={"nixl_progress_thread": "false"})
+                       # in the producers (ec-nixl drives NIXL itself; see docs/usage.md), and
+                       # timeouts sized for threads that wait behind the instances' OpenMP spinners
+                       # on the same core (the defaults, 5 s, detect dead peers on a normal host;
+                       # tests/test_reliability.py checks them).
+                       extra_config={"nixl_progress_thread": "false", "peer_timeout_s": "30",
+                                     "load_timeout_s": "30"})
     with Cluster(cfg) as cluster:
         cluster.start()
         # The faulty producer: 4th instance of the plan (ec_port = ec_base_port + 3 * stride).
