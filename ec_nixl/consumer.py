@@ -130,6 +130,7 @@ class _Conn:
         self.t_start = time.monotonic()
         self.last_heard = self.t_start
         self.last_hb = self.t_start
+        self.hellos = 1  # Hellos sent (resends back off: a slow producer must not get a flood)
         self.idle = True  # no work pending at the last tick
         self.waiting: list[LoadTicket] = []  # until the handshake completes
         self.get_queue: list[LoadTicket] = []  # to send in the next Get
@@ -792,8 +793,10 @@ class Loader:
                 if now - conn.t_start > self.cfg.peer_timeout_s:
                     self._fail_conn(conn, f"producer {conn.address} unreachable (no handshake in "
                                     f"{self.cfg.peer_timeout_s:.1f}s)", "UNREACHABLE")
-                elif now - conn.last_hb > 0.2:  # IMMEDIATE drops sends before connect: resend
+                elif now - conn.last_hb > min(2.0, 0.1 * (1 << min(conn.hellos, 5))):
+                    # IMMEDIATE drops sends before the connection is up: resend, 0.2 s, 0.4 s, ... 2 s
                     conn.last_hb = now
+                    conn.hellos += 1
                     self._send(conn, self._hello(conn))
                 continue
             if conn.state != "ready":

@@ -90,7 +90,7 @@ class Endpoint(Loader, Server):
         # producer state
         self._items: dict[str, _Item] = {}
         self._sessions: dict[str, _Session] = {}
-        self._hello_nonces: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self._hello_nonces: collections.OrderedDict[bytes, tuple[bytes, Optional[str]]] = collections.OrderedDict()
         self._active_pushes: list[tuple[_Item, _Push]] = []
         # consumer state
         self._conns: dict[str, _Conn] = {}

@@ -77,7 +77,7 @@ class _Item:
 
 
 class _Session:
-    __slots__ = ("id", "identity", "name", "peer", "last_seen", "arena", "group", "observer", "used")
+    __slots__ = ("id", "identity", "name", "peer", "last_seen", "arena", "group", "observer", "used", "welcome")
 
     def __init__(self, sid: str, identity: bytes, name: str, peer: Optional[Peer], arena, group: str,
                  observer: bool = False):
@@ -90,6 +90,7 @@ class _Session:
         self.arena = arena
         self.last_seen = time.monotonic()
         self.used = False  # a request came on it (so the consumer kept this connection)
+        self.welcome: Optional[P.Welcome] = None  # our answer, repeated to a resent Hello
 
 
 class Server:
@@ -312,11 +313,17 @@ class Server:
         # A signed Hello proves the token only once: the same nonce from another connection is a
         # replay (its session would act for the real consumer's NIXL agent). Resends come from the
         # same connection and pass. The memory of nonces is bounded (oldest forgotten first).
-        first = self._hello_nonces.setdefault(msg.nonce, identity)
+        first, sid = self._hello_nonces.setdefault(msg.nonce, (identity, None))
         if len(self._hello_nonces) > _MAX_HELLO_NONCES:
             self._hello_nonces.popitem(last=False)
         if first != identity:
             return refuse(P.Nack.UNAUTHORIZED, "replayed handshake (its nonce came from another connection)")
+        # A consumer resends its Hello until it hears from us (its first may have been dropped
+        # before the connection was up; a starved producer may find dozens queued). Each resend
+        # gets the same session: one session and one NIXL peer per handshake, however many copies.
+        s = self._sessions.get(sid) if sid is not None else None
+        if s is not None and s.welcome is not None:
+            return self._reply(identity, s.welcome)
         if msg.version != P.PROTOCOL_VERSION:
             return refuse(P.Nack.VERSION, f"protocol {msg.version} != {P.PROTOCOL_VERSION}")
         observer = msg.compat == "" and msg.agent_md is None
@@ -330,12 +337,14 @@ class Server:
             except Exception as e:
                 return refuse(P.Nack.INCOMPAT, f"cannot add NIXL peer: {e}")
         sid = secrets.token_hex(8)
-        self._sessions[sid] = _Session(sid, identity, msg.name, peer, msg.arena, msg.group, observer)
+        session = self._sessions[sid] = _Session(sid, identity, msg.name, peer, msg.arena, msg.group, observer)
+        self._hello_nonces[msg.nonce] = (identity, sid)
         w = P.Welcome(version=P.PROTOCOL_VERSION, compat=self.compat, name=self.cfg.name,
                       incarnation=self.incarnation, session=sid, nonce=P.new_nonce(),
                       agent_md=self.transport.metadata if self.transport else None,
                       arena=self.transport.arena_info if self.transport else None)
         P.sign(w, self._token, msg.nonce)
+        session.welcome = w
         self._reply(identity, w)
 
     def _on_hold_or_get(self, identity: bytes, s: _Session, msg) -> None:

@@ -826,6 +826,31 @@ def test_no_grant_without_handshake_and_sessions_bound_to_their_connection(procs
         thief.close()
 
 
+def test_resent_hellos_make_one_session(procs, device):
+    """A consumer resends its Hello until it hears back; a producer that was starved for a while
+    finds many copies queued (149 in 30 s, seen on the two-core CI box before the resends backed
+    off). Every copy gets the same Welcome: one session, one NIXL peer, whatever the count."""
+    prod = procs(device=device)
+    compat = P.compat_hash({"block": 64 << 10})
+    agent = FakeAgent()
+    client = RawClient(prod.address)
+    try:
+        sessions0 = prod.call("stats")["sessions"]
+        hello = _hello(compat, agent_md=agent.md, arena=agent.arena, name=agent.name)
+        data = P.encode(hello)
+        for _ in range(20):
+            client.sock.send(data)
+        replies = [P.decode(client.sock.recv()) for _ in range(20)]
+        assert all(isinstance(r, P.Welcome) for r in replies), replies[:3]
+        assert len({r.session for r in replies}) == 1, {r.session for r in replies}
+        assert prod.call("stats")["sessions"] == sessions0 + 1
+        g = client.ask(P.Get(session=replies[0].session, req=1, mm_hashes=["nothing"]))
+        assert isinstance(g, P.Grant) and g.items[0].status == "MISSING"
+    finally:
+        client.close()
+        agent.close()
+
+
 def test_token_keeps_others_out(procs, make_consumer, device):
     """With a shared secret: no token, a wrong token, a producer without the token, a replayed
     signed Hello (from another connection) and a replayed Welcome (to another Hello) all fail."""

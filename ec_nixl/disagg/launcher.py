@@ -129,14 +129,29 @@ def ec_transfer_config(cfg: LaunchConfig, role: str, engine_id: str, k: int, dev
     return ec
 
 
-def cpu_binds(n: int) -> list[str]:
-    """One VLLM_CPU_OMP_THREADS_BIND value per instance: disjoint core ranges when there are enough
-    cores, else one core each, shared round-robin."""
+def cpu_binds(roles: list[str]) -> list[str]:
+    """One VLLM_CPU_OMP_THREADS_BIND value per instance (``roles`` in plan order).
+
+    Disjoint core ranges when there are enough cores. Otherwise consumers ("pd") get cores of
+    their own first (the last ones) and encoders share the rest, never a core with a consumer
+    while another layout exists: a consumer whose request waits for an encoder output keeps
+    stepping, and its worker spins on its core; an encoder pinned there could not answer the
+    handshake the consumer waits for (a livelock until ``peer_timeout_s``, seen with two cores).
+    """
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < n:
-        return [str(cores[i % len(cores)]) for i in range(n)]
-    per = len(cores) // n
-    return [",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(n)]
+    n = len(roles)
+    if len(cores) >= n:
+        per = len(cores) // n
+        return [",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(n)]
+    pds = [i for i, r in enumerate(roles) if r == "pd"]
+    n_pd_cores = min(len(pds), len(cores) - 1) if len(pds) < n else len(cores)
+    pd_cores, enc_cores = cores[len(cores) - n_pd_cores:], cores[:len(cores) - n_pd_cores] or cores
+    out, seen = [], {"pd": 0, "other": 0}
+    for r in roles:
+        pool, key = (pd_cores, "pd") if r == "pd" and pd_cores else (enc_cores, "other")
+        out.append(str(pool[seen[key] % len(pool)]))
+        seen[key] += 1
+    return out
 
 
 def vllm_argv(model: str, port: int, vllm_args: list[str], ec: Optional[dict[str, Any]]) -> list[str]:
@@ -163,7 +178,7 @@ def instance_env(base: dict[str, str], bind: Optional[str], gpu: Optional[str],
 def plan(cfg: LaunchConfig) -> list[Instance]:
     """Every vLLM instance to start, encoders first. Pure: starts nothing."""
     roles = [("encoder", i) for i in range(cfg.num_encoders)] + [("pd", j) for j in range(cfg.num_pd)]
-    binds = cpu_binds(len(roles))
+    binds = cpu_binds([r for r, _ in roles])
     device = cfg.ec_buffer_device or default_buffer_device()
     out = []
     for k, (role, i) in enumerate(roles):

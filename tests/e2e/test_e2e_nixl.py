@@ -146,7 +146,9 @@ def nixl(baseline: Baseline, tiny_model: str, tmp_path_factory: pytest.TempPathF
         # The faulty producer: 4th instance of the plan (ec_port = ec_base_port + 3 * stride).
         port = base + 4
         ec = ec_transfer_config(cfg, "encoder", f"encoder-corrupt-{port}", 3, "cpu")
-        env = instance_env(dict(os.environ), str(max(os.sched_getaffinity(0))), None,
+        # An encoder: on the encoders' cores (never with the consumer; see launcher.cpu_binds).
+        enc0 = next(i for i in cluster.instances if i.role == "encoder")
+        env = instance_env(dict(os.environ), enc0.env["VLLM_CPU_OMP_THREADS_BIND"], None,
                            {**BASE_ENV, "EC_NIXL_FAULT_CORRUPT_PUBLISH": "1"})
         corrupt = cluster.spawn(Instance(name="encoder-corrupt", role="encoder", port=port,
                                          argv=vllm_argv(tiny_model, port, VLLM_ARGS, ec), env=env,
