@@ -224,7 +224,7 @@ def test_shape_mismatch_is_rejected(make_producer, make_consumer, device):
 
     prod = make_producer()
     cons = make_consumer(mode="read")
-    descs = prod.call("publish", [("x", (10, 10), "float32", 3)])
+    prod.call("publish", [("x", (10, 10), "float32", 3)])
     lie = P.ItemDesc(mm_hash="x", shape=[5, 20], dtype="float32", nbytes=400)
     tickets = cons.load(refs_for(prod, [lie]))
     with pytest.raises(LoadFailed) as e:
@@ -327,7 +327,7 @@ def test_consumer_gone_producer_leases_expire(make_producer, make_consumer, devi
     """A consumer that held items and vanished: the producer frees them when leases end."""
     prod = make_producer(announce_lease_s=0.5, grant_lease_s=0.5)
     cons = make_consumer(mode="read")
-    descs = prod.call("publish", [("orphan", (128, 128), "float32", 1)])
+    prod.call("publish", [("orphan", (128, 128), "float32", 1)])
     assert cons.hold(prod.address, ["orphan"], timeout=5)["orphan"].status == "ready"
     cons.close()
     deadline = time.monotonic() + 5

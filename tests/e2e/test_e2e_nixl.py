@@ -46,7 +46,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import pytest
