@@ -143,14 +143,15 @@ def cpu_binds(roles: list[str]) -> list[str]:
     if len(cores) >= n:
         per = len(cores) // n
         return [",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(n)]
-    pds = [i for i, r in enumerate(roles) if r == "pd"]
-    n_pd_cores = min(len(pds), len(cores) - 1) if len(pds) < n else len(cores)
-    pd_cores, enc_cores = cores[len(cores) - n_pd_cores:], cores[:len(cores) - n_pd_cores] or cores
-    out, seen = [], {"pd": 0, "other": 0}
+    n_pd = roles.count("pd")
+    split = len(cores) - (len(cores) if n_pd == n else min(n_pd, len(cores) - 1))
+    pools = {"pd": cores[split:] or cores, "encoder": cores[:split] or cores}
+    used = dict.fromkeys(pools, 0)
+    out = []
     for r in roles:
-        pool, key = (pd_cores, "pd") if r == "pd" and pd_cores else (enc_cores, "other")
-        out.append(str(pool[seen[key] % len(pool)]))
-        seen[key] += 1
+        role = "pd" if r == "pd" else "encoder"
+        out.append(str(pools[role][used[role] % len(pools[role])]))
+        used[role] += 1
     return out
 
 
