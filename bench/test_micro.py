@@ -22,7 +22,8 @@ import torch
 from ec_nixl.arena import Arena
 from ec_nixl.barrier import LoadBarrier
 from ec_nixl.config import EndpointConfig
-from ec_nixl.endpoint import Endpoint, ItemRef
+from ec_nixl.endpoint import Endpoint
+from ec_nixl.tickets import ItemRef
 from ec_nixl.pool import Pool
 
 BLOCK = 64 << 10

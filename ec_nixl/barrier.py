@@ -25,8 +25,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from ec_nixl.endpoint import FAILED, LANDED, Endpoint, LoadTicket
+from ec_nixl.endpoint import Endpoint
 from ec_nixl.errors import LoadFailed
+from ec_nixl.states import TicketState
+from ec_nixl.tickets import LoadTicket
 
 
 class LoadBarrier:
@@ -42,7 +44,7 @@ class LoadBarrier:
         too, so a wait never outlives the load timeout.
         """
         t0 = time.perf_counter()
-        if not all(t.state == LANDED for t in tickets):
+        if not all(t.state is TicketState.LANDED for t in tickets):
             budget = timeout
             if budget is None:
                 budget = max((t.deadline for t in tickets), default=0.0) - time.monotonic() + 0.05
@@ -50,7 +52,7 @@ class LoadBarrier:
         late = [t for t in tickets if not t.done]
         if late:  # out of time: make them final (quarantining any DMA target) before reporting
             self.endpoint.cancel(late, "not landed before the barrier's deadline")
-        failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state != LANDED}
+        failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state is not TicketState.LANDED}
         if failures:
             raise LoadFailed(failures)
         out = {t.mm_hash: t.tensor() for t in tickets}
@@ -70,4 +72,4 @@ class LoadBarrier:
     @staticmethod
     def failed(tickets: Sequence[LoadTicket]) -> dict[str, str]:
         """The failures among ``tickets`` so far (non-blocking)."""
-        return {t.mm_hash: t.error for t in tickets if t.state == FAILED}
+        return {t.mm_hash: t.error for t in tickets if t.state is TicketState.FAILED}

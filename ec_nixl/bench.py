@@ -762,7 +762,7 @@ class _Consumer:
 
 def _refs(ep, addr: str, descs: list, hold: bool = True) -> list:
     """ItemRefs for ``descs``; with ``hold``, one Hold round trip gives their place (direct READ)."""
-    from ec_nixl.endpoint import ItemRef
+    from ec_nixl.tickets import ItemRef
 
     if not hold:
         return [ItemRef(desc=d, producer=addr) for d in descs]

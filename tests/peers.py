@@ -66,7 +66,7 @@ class _GetRequest:
     kind = "get"
 
     def __init__(self, producer: str, mm_hashes: list[str], req: int, deadline: float):
-        from ec_nixl.endpoint import HoldRequest
+        from ec_nixl.queries import HoldRequest
 
         self._h = HoldRequest(producer, mm_hashes, 1, req, deadline)
         self.producer, self.mm_hashes, self.req, self.deadline = producer, mm_hashes, req, deadline
@@ -84,8 +84,8 @@ class _GetRequest:
 
         return P.Get(session=session, req=self.req, mm_hashes=self.mm_hashes)
 
-    def resolve(self, msg) -> None:
-        self._h.resolve(msg)
+    def resolve(self, msg, incarnation: str) -> None:
+        self._h.resolve(msg, incarnation)
 
     def finish(self, status: str, detail: str) -> None:
         self._h.finish(status, detail)
@@ -94,7 +94,7 @@ class _GetRequest:
 def _load(ep, args, timeout):
     """Load ``args`` = [(desc, producer, reader, readers)], wait, digest what landed, release."""
     from ec_nixl.barrier import LoadBarrier
-    from ec_nixl.endpoint import ItemRef
+    from ec_nixl.tickets import ItemRef
     from ec_nixl.errors import LoadFailed
 
     refs = [ItemRef(desc=d, producer=p, reader=r, readers=n) for d, p, r, n in args]
@@ -117,7 +117,8 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)  # several peers share a small machine: no intra-op thread pools
     from ec_nixl.config import EndpointConfig
-    from ec_nixl.endpoint import Endpoint, Ready
+    from ec_nixl.endpoint import Endpoint
+    from ec_nixl.tensors import Ready
 
     dev = cfg_kwargs.get("device", "cpu")
     if dev.startswith("cuda"):
@@ -174,7 +175,7 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                 conn.send(("ok", _load(ep, items, timeout)))
             elif cmd == "load_async":
                 # Consumer: start loading and answer at once (the test kills us mid-flight).
-                from ec_nixl.endpoint import ItemRef
+                from ec_nixl.tickets import ItemRef
 
                 items, timeout = args
                 tickets = ep.load([ItemRef(desc=d, producer=p, reader=r, readers=n) for d, p, r, n in items],
@@ -190,8 +191,8 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
             elif cmd == "get_only":
                 # Consumer: take READ grants (pins) and never read: a reader that dies after Get.
                 producer, hashes, timeout = args
-                g = _GetRequest(producer, list(hashes), next(ep._reqs), time.monotonic() + timeout)
-                ep._exec(lambda: ep._send_hold(g))
+                g = _GetRequest(producer, list(hashes), ep.links.next_req(), time.monotonic() + timeout)
+                ep.loop.call(lambda: ep.links.ask(g))
                 ep.wait_for(lambda: g.done, timeout + 0.05)
                 if not g.done:
                     g.finish("TIMEOUT", "no grant")
@@ -206,7 +207,7 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                     started.set()
                     time.sleep(seconds)
 
-                ep._exec(stall)
+                ep.loop.call(stall)
                 started.wait(10)
                 conn.send(("ok", time.monotonic()))
             elif cmd == "drop_read_notifs":
@@ -216,16 +217,10 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                 conn.send(("ok", None))
             elif cmd == "pushes":
                 # Producer: the pushes it is working on, as (mm_hash, 'queued' | 'posted').
-                conn.send(("ok", [(item.desc.mm_hash, push.state) for item, push in list(ep._active_pushes)]))
+                conn.send(("ok", ep.server.pusher.active()))
             elif cmd == "items":
                 # Producer: what keeps each published item alive (for assertion messages).
-                now = time.monotonic()
-                with ep._lock:
-                    view = {h: {"pins": {f"{k[0]}/{k[1]}": round(v - now, 3) for k, v in it.pins.items()},
-                                "pushes": len(it.pushes), "interest": dict(it.interest),
-                                "done": {g: sorted(r) for g, r in it.done.items()},
-                                "lease_left": round(it.expires_at - now, 3)} for h, it in ep._items.items()}
-                conn.send(("ok", view))
+                conn.send(("ok", ep.items.inspect()))
             elif cmd == "stats":
                 conn.send(("ok", ep.stats()))
             elif cmd == "published":

@@ -20,7 +20,7 @@ import zmq
 from ec_nixl import protocol as P
 from ec_nixl.barrier import LoadBarrier
 from ec_nixl.config import EndpointConfig
-from ec_nixl.endpoint import ItemRef
+from ec_nixl.tickets import ItemRef
 from ec_nixl.errors import LoadFailed, PoolExhausted
 from peers import ConsumerProcess, ProducerProcess, digest, make_item
 
@@ -142,7 +142,7 @@ def test_producer_sigkill_quarantines_dma_target_until_safe(procs, make_consumer
         spec = ("victim", (512, 1024), "float32", 1)  # 2 MiB
         desc = prod.call("publish_late", (*spec, 3600.0))
         tickets = cons.load([ItemRef(desc=desc, producer=prod.address)])
-        assert cons.wait_for(lambda: tickets[0].phase == "push" and bool(cons._conns[prod.address].pushed), 10)
+        assert cons.wait_for(lambda: tickets[0].phase == "push" and bool(cons.loader.has_work(cons.links.find(prod.address))), 10)
         prod.kill()
         t0 = time.monotonic()
     target = tickets[0].slot
@@ -189,8 +189,8 @@ def test_producer_sigkill_with_default_timers(procs, make_consumer, device):
     d2 = prod.call("publish_late", ("never-w", (256, 256), "float32", 2, 3600.0))
     tr = r.load(refs_for(prod, [d1]))
     tw = w.load(refs_for(prod, [d2]))
-    assert r.wait_for(lambda: r._conns[prod.address].state == "ready", 10)
-    assert w.wait_for(lambda: w._conns[prod.address].state == "ready", 10)
+    assert r.wait_for(lambda: r.links.find(prod.address).state == "ready", 10)
+    assert w.wait_for(lambda: w.links.find(prod.address).state == "ready", 10)
     r.wait_for(lambda: False, 0.1)
     w.wait_for(lambda: False, 0.1)
     prod.kill()
@@ -435,7 +435,7 @@ def test_producer_restarted_with_new_agent_same_name_and_port(procs, make_consum
     stale = ItemRef(desc=desc, producer=first.address, block=h.states["y"].block,
                     valid_until=time.time() + 60, incarnation=h.incarnation)
     first.kill()
-    assert cons.wait_for(lambda: first.address not in cons._conns, 10), "disconnect not seen"
+    assert cons.wait_for(lambda: cons.links.find(first.address) is None, 10), "disconnect not seen"
     second = procs(device=device, name="phoenix", listen=f"127.0.0.1:{port}")
     assert second.incarnation != first.incarnation
     # The new producer's pool: a decoy where 'y' used to be, then x and y with other bytes.

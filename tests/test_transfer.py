@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ec_nixl.barrier import LoadBarrier
-from ec_nixl.endpoint import ItemRef
+from ec_nixl.tickets import ItemRef
 from ec_nixl.errors import LoadFailed
 from peers import digest, make_item
 

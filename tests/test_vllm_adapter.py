@@ -149,7 +149,12 @@ def test_extra_config_is_typed_and_validated():
     from ec_nixl.vllm.options import parse_extra
 
     opts = parse_extra({"mode": "write", "load_timeout_s": "2.5", "backends": ["UCX"], "token": "t"})
-    assert opts.mode == "write" and opts.load_timeout_s == 2.5 and opts.backends == ("UCX",)
+    assert opts.endpoint.mode == "write" and opts.endpoint.load_timeout_s == 2.5
+    assert opts.endpoint.backends == ("UCX",) and opts.endpoint.token == "t"
+    with pytest.raises(ConfigError, match=r"option 'block_bytes'"):
+        parse_extra({"block_bytes": "lots"})
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['pool_bytes'\]"):
+        parse_extra({"pool_bytes": 1})  # placed by the adapter (ec_buffer_size), not a key
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['load_timout_s'\].*valid options are:.*load_timeout_s"):
         parse_extra({"load_timout_s": 1})
     with pytest.raises(ConfigError, match="fallback"):
@@ -316,7 +321,8 @@ def test_producer_worker_pins_a_step_with_one_pack_and_serves_it(tiny_model):
     """save_caches collects, the end of the step publishes; a consumer then reads byte-exact."""
     from ec_nixl.barrier import LoadBarrier
     from ec_nixl.config import EndpointConfig
-    from ec_nixl.endpoint import Endpoint, ItemRef
+    from ec_nixl.endpoint import Endpoint
+    from ec_nixl.tickets import ItemRef
     from ec_nixl.vllm.options import compat_fields, parse_extra, placement
     from ec_nixl.vllm.worker import WorkerSide
 

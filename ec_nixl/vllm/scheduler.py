@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ec_nixl import protocol as P
-from ec_nixl.endpoint import Endpoint, HoldRequest
+from ec_nixl.endpoint import Endpoint
+from ec_nixl.queries import HoldRequest
 from ec_nixl.metrics import Metrics
 from ec_nixl.vllm.metadata import LoadSpec, NixlECMetadata, NixlECWorkerMeta, RemoteItem, build_params, parse_params
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
@@ -98,7 +99,7 @@ class SchedulerSide:
             if it.status == "ready":
                 spec = self._ready.get(h)
                 if spec is not None and it.hold is None and \
-                        time.time() > spec.valid_until - self.opts.announce_lease_s * _HOLD_REFRESH_S:
+                        time.time() > spec.valid_until - self.opts.endpoint.announce_lease_s * _HOLD_REFRESH_S:
                     it.hold = self.endpoint.hold_async(it.remote.producer, [h], self.place.readers)
                 if it.hold is not None and it.hold.done:
                     self._refresh(h, it)
@@ -167,7 +168,7 @@ class SchedulerSide:
                 by_producer.setdefault(it.remote.producer, []).append(h)
         for producer, hashes in by_producer.items():
             hr = self.endpoint.hold_async(producer, hashes, self.place.readers,
-                                          timeout=max(1.0, self.opts.peer_timeout_s))
+                                          timeout=max(1.0, self.opts.endpoint.peer_timeout_s))
             for h in hashes:
                 adm.items[h].hold = hr
 

@@ -21,7 +21,10 @@ from typing import Optional
 import torch
 
 from ec_nixl.barrier import LoadBarrier
-from ec_nixl.endpoint import LANDED, Endpoint, ItemRef, LoadTicket, torch_dtype
+from ec_nixl.endpoint import Endpoint
+from ec_nixl.states import TicketState
+from ec_nixl.tensors import torch_dtype
+from ec_nixl.tickets import ItemRef, LoadTicket
 from ec_nixl.errors import ECNixlError, LoadFailed
 from ec_nixl.vllm.metadata import NixlECMetadata, NixlECWorkerMeta
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
@@ -113,7 +116,7 @@ class WorkerSide:
             pass  # handled per ticket below: landed items are used, failed ones reported
         for t in tickets:
             spec = specs[t.mm_hash]
-            if t.state == LANDED:
+            if t.state is TicketState.LANDED:
                 view = t.tensor()
                 encoder_cache[t.mm_hash] = view
                 self._held[t.mm_hash] = (t, view)
