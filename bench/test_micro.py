@@ -150,7 +150,7 @@ def test_post_prepped_read(benchmark, ratio, pair, device, notif):
     from ec_nixl import protocol as P
 
     prod, cons = pair
-    msg = P.encode_notif(P.NOTIF_READ_DONE, "0" * 16, ["micro-" + "0" * 58], 0) if notif else b""
+    msg = P.encode_notif(P.NOTIF_WRITE_DONE, "0" * 16, ["micro-" + "0" * 58], 0) if notif else b""
     descs, tensors = publish(prod, 1, BLOCK, device, f"post-{notif}")
     (ref_,) = held_refs(cons, prod, descs)
     peer = cons.transport.peers[prod.cfg.name]

@@ -12,7 +12,7 @@ the parts its configuration needs, each given its collaborators here and owning 
 * ``Loader`` (``loader``) — tickets and their transfers (with a pool).
 
 The public methods below are the whole API; each delegates to the part that owns the work.
-NIXL notifications are the one thing both sides share: this module routes them.
+NIXL notifications (a producer's WRITE done) arrive on the shared agent: this module routes them.
 """
 
 from __future__ import annotations
@@ -198,9 +198,7 @@ class Endpoint:
                 logger.debug("ignoring foreign notification from %s", agent)
                 continue
             kind, sid, mm_hashes, reader = n
-            if kind == P.NOTIF_READ_DONE and self.server is not None:
-                self.server.on_read_done(agent, sid, mm_hashes, reader)
-            elif kind == P.NOTIF_WRITE_DONE and self.loader is not None:
+            if kind == P.NOTIF_WRITE_DONE and self.loader is not None:
                 self.loader.on_write_done(agent, sid, mm_hashes)
 
     def _tick(self, now: float) -> None:

@@ -30,6 +30,9 @@ from ec_nixl.transport import Transport, Xfer
 logger = logging.getLogger("ec_nixl")
 
 _RETRYABLE = frozenset({P.Nack.NOT_READY.value, P.Nack.BUSY.value})
+ROUND_EVERY_S = 0.001
+"""While a waiter polls its own READs, it still runs a full loop round this often (heartbeats,
+grants and messages of other work must not starve)."""
 
 
 class _Lane:
@@ -77,6 +80,7 @@ class Loader:
         self._reads: list[LoadTicket] = []  # READs in flight
         self._retry: list[LoadTicket] = []  # waiting for pool space or a NOT_READY retry
         self._zombies: list[tuple[Xfer, Slot]] = []  # transfers NIXL could not cancel yet
+        self._settle: list[tuple[Xfer, list[LoadTicket]]] = []  # landed requests to settle
         links.listener = self
         loop.every_round(self.poll)
         loop.every_tick(self.tick)
@@ -96,7 +100,13 @@ class Loader:
             except ECNixlError as e:
                 self.fail(t, str(e), "BAD_REQUEST")
         good = [t for t in tickets if t.pending]
-        if good:
+        if not good:
+            return tickets
+        if self.loop.is_owner:
+            # The caller drives the endpoint: dispatch and post now, not at the end of a round.
+            self._start(good)
+            self.flush()
+        else:
             self.loop.call(lambda: self._start(good))
         return tickets
 
@@ -230,8 +240,8 @@ class Loader:
 
     def _post_reads(self, link: Link, lane: _Lane) -> None:
         # No notification rides the READ: NIXL would report DONE only once the producer's side
-        # has taken it, which needs the producer's progress. The read-done notification is sent
-        # after DONE instead (poll), off the waiting path.
+        # has taken it, which needs the producer's progress. A ReadDone message is sent after
+        # DONE instead (settle), off the hand-over.
         batch = [(t, b) for t, b in lane.read_queue if t.pending]
         lane.read_queue = []
         if not batch:
@@ -248,6 +258,33 @@ class Loader:
             t.xfer, t.t_post = x, t_post
             t.enter(Phase.READ)
             self._reads.append(t)
+
+    # --- the waiter drives its own transfers (owner thread) ----------------------------
+
+    def drive(self, tickets: list[LoadTicket], deadline: float, settle: bool = True) -> bool:
+        """Wait for ``tickets`` as their owner: poll their READs in a tight loop and run a full
+        round of the loop (messages, timers, other work) only when something else is needed or
+        every ``ROUND_EVERY_S``. True when all are done, False at ``deadline`` (monotonic).
+
+        This is the hot path of a consumer that drives its own endpoint (vLLM's PD worker): no
+        thread hand-off, no socket poll between a READ's completion and its hand-over.
+        ``settle=False`` leaves the after-completion work to the caller's next round.
+        """
+        last_round = time.monotonic()
+        while True:
+            pending = [t for t in tickets if t.pending]
+            if not pending:
+                if settle:
+                    self.settle()
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            if all(t.phase is Phase.READ for t in pending) and now - last_round < ROUND_EVERY_S:
+                self._poll_xfers({id(t.xfer): t.xfer for t in pending})
+            else:
+                self.loop.progress(0.0)
+                last_round = now
 
     # --- link events (owner thread) --------------------------------------------------
 
@@ -356,27 +393,46 @@ class Loader:
     # --- completions (owner thread) --------------------------------------------------
 
     def poll(self) -> None:
-        """Finish the READs NIXL reports done (one request per producer round)."""
-        if not self._reads:
+        """Finish the READs NIXL reports done, then settle their requests (every round)."""
+        if self._reads:
+            self._poll_xfers({id(t.xfer): t.xfer for t in self._reads if t.pending})
+        if self._settle:
+            self.settle()
+
+    def _poll_xfers(self, xfers: dict[int, Xfer]) -> None:
+        """Poll these requests; land the tickets of each that is DONE (at once: nothing else
+        stands between completion and hand-over) and fail those of each that erred."""
+        finished: set[int] = set()
+        for key, x in xfers.items():
+            st = self.transport.poll(x)
+            if st != "PROC":
+                finished.add(key)
+        if not finished:
             return
         still: list[LoadTicket] = []
         done: dict[int, tuple[Xfer, list[LoadTicket]]] = {}
         for t in self._reads:
             if not t.pending:
                 continue
-            st = self.transport.poll(t.xfer)
-            if st == "PROC":
+            if id(t.xfer) not in finished:
                 still.append(t)
-            elif st == "DONE":
+            elif t.xfer.state == "DONE":
                 done.setdefault(id(t.xfer), (t.xfer, []))[1].append(t)
             else:
                 self.fail(t, f"READ from {t.ref.producer} failed (NIXL ERR)", "XFER_ERR")
         self._reads = still
-        for x, tickets in done.values():
-            self._record(x, tickets[0].t_post)
-            for t in tickets:
+        for x, landed in done.values():
+            for t in landed:
                 t.xfer = None
                 self._landed(t)
+            self._settle.append((x, landed))
+
+    def settle(self) -> None:
+        """After-completion work kept off the hand-over: telemetry, releasing the request, and
+        telling each producer its readers are done (it frees the items then)."""
+        settle, self._settle = self._settle, []
+        for x, tickets in settle:
+            self._record(x, tickets[0].t_post)
             self._notify_read(tickets)
 
     def _record(self, x: Xfer, t_post: float) -> None:
@@ -391,17 +447,13 @@ class Loader:
     def _notify_read(self, tickets: list[LoadTicket]) -> None:
         """Tell the producer these readers are done with the items (it frees each after all readers)."""
         link = self.links.find(tickets[0].ref.producer)
-        if link is None or link.peer is None:
+        if link is None or link.state is not LinkState.READY:
             return  # producer gone: its lease expiry frees the items
         by_reader: dict[int, list[str]] = {}
         for t in tickets:
             by_reader.setdefault(t.ref.reader, []).append(t.mm_hash)
         for reader, hashes in by_reader.items():
-            try:
-                self.transport.send_notif(link.peer.name, P.encode_notif(P.NOTIF_READ_DONE, link.session,
-                                                                         hashes, reader))
-            except Exception as e:  # the lease still frees the items
-                logger.debug("read-done notification to %s failed: %s", link.address, e)
+            self.links.send(link, P.ReadDone(session=link.session, mm_hashes=hashes, reader=reader))
 
     def _landed(self, t: LoadTicket, nbytes: int = 0) -> None:
         """The item's bytes are in our pool (READ done, or the producer's WRITE notification)."""

@@ -5,7 +5,7 @@ A ZMQ ROUTER socket answers consumers. Only a peer that completed the handshake 
 every other request is refused with the reason. On a session a consumer may ``Hold`` items
 (lease + where they are, so it can READ at once), ``Get`` them (a pinned READ grant), ``Push``
 them (we WRITE into its slots: see ``pusher``), ``Cancel`` pushes, read ``Stats``, send
-``Heartbeat``s and say ``Bye``. Items live in the table (``published``); the server only decides
+``Heartbeat``s, report ``ReadDone`` and say ``Bye``. Items live in the table (``published``); the server only decides
 who may do what with them. One bad request is refused with its reason and never takes the
 server down.
 """
@@ -133,6 +133,10 @@ class Server:
             return self.reply(identity, P.StatsReply(req=msg.req, stats=self._stats()))
         if isinstance(msg, P.Heartbeat):
             return self.reply(identity, P.Heartbeat(session=sid))
+        if isinstance(msg, P.ReadDone):
+            if self.published is not None:
+                self.published.read_done(s.id, s.group, msg.mm_hashes, msg.reader)
+            return
         if isinstance(msg, P.Bye):
             return self._end_session(s)
         raise ProtocolError(f"unexpected {type(msg).__name__} from a consumer")
@@ -227,12 +231,3 @@ class Server:
             self.published.drop_session(s.id, s.group, group_left)
         if s.peer is not None and not keep_peer and not any(o.name == s.name for o in self._sessions.values()):
             self.transport.forget_peer(s.name)
-
-    # --- notifications ---------------------------------------------------------------
-
-    def on_read_done(self, agent: str, sid: str, mm_hashes: list[str], reader: int) -> None:
-        """A consumer's reader finished READing these items."""
-        s = self._sessions.get(sid)
-        if s is None or s.name != agent or self.published is None:
-            return  # not a session of ours (or a forged one): ignore
-        self.published.read_done(sid, s.group, mm_hashes, reader)

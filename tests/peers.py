@@ -213,7 +213,10 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
             elif cmd == "drop_read_notifs":
                 # FAULT INJECTION: this consumer's read-done notifications are dropped from now on,
                 # as if every one were lost on its way to the producer.
-                ep.transport.send_notif = lambda peer, msg: None
+                from ec_nixl import protocol as P
+
+                send = ep.links.send
+                ep.links.send = lambda link, msg: None if isinstance(msg, P.ReadDone) else send(link, msg)
                 conn.send(("ok", None))
             elif cmd == "pushes":
                 # Producer: the pushes it is working on, as (mm_hash, 'queued' | 'posted').

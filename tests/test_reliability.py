@@ -359,7 +359,8 @@ def test_lost_read_notification_pin_expires_item_freed(procs, make_consumer, dev
     grant, lease = 1.0, 2.0
     prod = procs(device=device, grant_lease_s=grant, announce_lease_s=lease)
     cons = make_consumer(mode="read", pool_bytes=SMALL)
-    cons.transport.send_notif = lambda peer, msg: None  # the fault: every read-done notification lost
+    send = cons.links.send  # the fault: every read-done message lost
+    cons.links.send = lambda link, msg: None if isinstance(msg, P.ReadDone) else send(link, msg)
     specs = [("quiet", (256, 64), "bfloat16", 1), ("quiet2", (7, 3), "float32", 2)]
     fetch(cons, refs_for(prod, prod.call("publish", specs)), specs, device)
     t0 = time.monotonic()
