@@ -96,6 +96,9 @@ def watch_parent(parent_pid: int, tmpdir: Optional[str] = None) -> None:
 
 
 def quiet_logs() -> None:
+    """Warnings and errors only (a peer's INFO lines would tear the table); call before nixl loads:
+    nixl configures its logger at first import, from NIXL_LOG_LEVEL (the user's value wins)."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     logging.getLogger("ec_nixl").setLevel(logging.WARNING)
     logging.getLogger("nixl").setLevel(logging.WARNING)
 

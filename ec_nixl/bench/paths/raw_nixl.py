@@ -57,7 +57,6 @@ class RawAgent:
         import torch
         from nixl._api import nixl_agent, nixl_agent_config  # type: ignore
 
-        proc.quiet_logs()  # nixl configures its logger at first import: INFO per agent otherwise
         cuda = device.startswith("cuda")
         self.mem = "VRAM" if cuda else "DRAM"
         self.params = backend_params(cuda, params)
