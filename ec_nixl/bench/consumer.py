@@ -48,7 +48,7 @@ class Consumer:
         self.pinned = "host" in self.eps and pin(self.eps["host"].pool.arena)
         self.barriers = {k: LoadBarrier(ep) for k, ep in self.eps.items()}
         self._warm_up()
-        # Destination of the reference copy, host-bounce's H2D, ucx and raw-nixl (pre-touched).
+        # Destination of the reference copy, host-bounce's H2D and ucx (pre-touched); raw-nixl has its own.
         self.dst_bytes = cfg["pool_bytes"]
         if self.cuda:
             self.dst = torch.zeros(self.dst_bytes, dtype=torch.uint8, device="cuda")
@@ -153,7 +153,8 @@ class Consumer:
                 except Exception as e:
                     if path not in FRAGILE:
                         raise
-                    self.skip(path, f"failed: {type(e).__name__}: {e}")
+                    first = (str(e).strip().splitlines() or [""])[0]  # not the peer's traceback
+                    self.skip(path, f"failed: {type(e).__name__}: {first}")
         if cfg["barrier"]:
             self.send("case", "barrier-landed")
             spec = ItemSpec(*cfg["barrier"][0])
@@ -162,19 +163,19 @@ class Consumer:
         self.send("case", "copy bandwidth")
         self.send("copybw", reference.copy_bandwidth(self.cuda, cfg["copy_bw_bytes"]))
         if self.loaded is not None and self.loaded.wall > 0:
-            self.send("cpu", {"loaded": {"wall_s": self.loaded.wall, "cores": self.loaded.cores()}})
+            self.send("cpu", {"loaded": {"wall_s": self.loaded.wall, "cores": self.loaded.cores()},
+                              "source": self.cpu_source})
 
     def skip(self, path: str, why: str) -> None:
         self.skipped[path] = why
         self.send("skip", path, why)
 
     def measure_idle(self, seconds: float) -> None:
-        read, source = idle.cpu_reader()
-        if read is None:
-            self.send("cpu", {"idle_skipped": source})
+        if self.loaded is None:  # no way to read CPU times here: cpu_source says why
+            self.send("cpu", {"idle_skipped": self.cpu_source})
             return
-        pids = {"producer": self.info["pid"], "consumer": os.getpid()}
-        self.send("cpu", {"idle": idle.idle_window(pids, seconds, read), "source": source})
+        self.send("cpu", {"idle": idle.idle_window(self.loaded.pids, seconds, self.loaded.read),
+                          "source": self.cpu_source})
 
     def env(self) -> dict:
         import torch

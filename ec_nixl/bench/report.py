@@ -88,7 +88,8 @@ def cpu_table(cpu: dict) -> None:
     idle, loaded = cpu.get("idle"), cpu.get("loaded")
     if not idle and not loaded:
         return
-    print(f"\nCPU cost, cores = CPU seconds per wall second of the whole process, all threads ({cpu.get('source', '?')}):")
+    print(f"\nCPU cost, cores = CPU seconds per wall second of the whole process, all threads "
+          f"({cpu.get('source', '?')}):")
     head_i = f"idle {idle['wall_s']:.1f} s after the handshake" if idle else "idle: not measured"
     head_l = f"under load (ours-* cases, {loaded['wall_s']:.1f} s)" if loaded else "under load: not measured"
     print(f"{'process':<10} {head_i:>36} {head_l:>36}")

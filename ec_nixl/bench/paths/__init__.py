@@ -24,8 +24,9 @@ PATHS: dict[str, type[Path]] = {
 }
 ALL_PATHS = tuple(PATHS)  # also the order of rows within a size in the report
 
-# Paths whose failure at run time (not only a missing import) never sinks the run: third-party.
-FRAGILE = ("ucx",)
+# Paths outside ec-nixl (third-party, or plain NIXL) whose failure at run time, not only a missing
+# import, never sinks the run: reported as skipped with the error, the other paths go on.
+FRAGILE = ("ucx", "raw-nixl-read", "raw-nixl-write")
 
 # How the producer makes the items of each kind: (prod, tag, nbytes, shape, dtype, per_op)
 #   -> (descriptors or file paths, head/tail probes, producer-side stage seconds).

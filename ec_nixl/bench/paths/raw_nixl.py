@@ -49,8 +49,9 @@ class RawAgent:
     """A plain NIXL agent over its own buffer, registered once; prepped rings; host-polled transfers.
 
     The buffer is plain process memory of the kind the pools use (anonymous, pre-touched DRAM;
-    device memory), never the /dev/shm source: CMA reads of a shared file mapping are slower than
-    of anonymous memory, which would flatter ours. ``fill`` (the source) gives it the same bytes.
+    device memory), not the /dev/shm source: in our CPU runs CMA from that shared file mapping was
+    up to 2x slower, and a floor on slower memory than ours would flatter ours. ``fill`` (the
+    source) gives it the same bytes.
     """
 
     def __init__(self, name: str, device: str, nbytes: int, params: dict, fill=None):
@@ -106,10 +107,14 @@ class RawAgent:
             if time.perf_counter() - t0 > XFER_TIMEOUT_S:
                 break
         dt = time.perf_counter() - t0
-        a.release_xfer_handle(h)
-        if st != "DONE":
-            raise RuntimeError(f"raw NIXL {op} of slots {list(slots)[:4]}... ended {st} after {dt:.1f} s")
-        return dt
+        if st == "DONE":
+            a.release_xfer_handle(h)
+            return dt
+        try:
+            a.release_xfer_handle(h)  # cancels it if NIXL can
+        except Exception:
+            pass
+        raise RuntimeError(f"raw NIXL {op} of slots {list(slots)[:4]}... ended {st} after {dt:.1f} s")
 
     def progress(self) -> None:
         """Drive UCX once (no progress thread): what a transfer's target must do now and then."""
