@@ -19,11 +19,8 @@ import time
 import pytest
 import torch
 
+from ec_nixl import Endpoint, EndpointConfig, ItemRef, LoadBarrier
 from ec_nixl.arena import Arena
-from ec_nixl.barrier import LoadBarrier
-from ec_nixl.config import EndpointConfig
-from ec_nixl.endpoint import Endpoint
-from ec_nixl.tickets import ItemRef
 from ec_nixl.pool import Pool
 
 BLOCK = 64 << 10
@@ -153,7 +150,7 @@ def test_post_prepped_read(benchmark, ratio, pair, device, notif):
     msg = P.encode_notif(P.NOTIF_WRITE_DONE, "0" * 16, ["micro-" + "0" * 58], 0) if notif else b""
     descs, tensors = publish(prod, 1, BLOCK, device, f"post-{notif}")
     (ref_,) = held_refs(cons, prod, descs)
-    peer = cons.transport.peers[prod.cfg.name]
+    peer = cons.transport.peers[prod.transport.name]
     slot = cons.reserve(BLOCK, tag="post-dst")
     tr = cons.transport
 
