@@ -193,7 +193,7 @@ def test_post_prepped_read(benchmark, ratio, pair, device, notif):
 @pytest.fixture(scope="module")
 def remote_producer(device):
     """A producer in its own process (no GIL shared with the timed consumer)."""
-    from ec_nixl.bench import ProducerProcess
+    from ec_nixl.bench.producer import ProducerProcess
 
     p = ProducerProcess(device=device, pool_bytes=64 << 20)
     try:

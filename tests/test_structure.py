@@ -44,10 +44,10 @@ def _graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for m, path in mods.items():
         for target, names in _imports(path):
-            if target in mods:
+            if target in mods and target != m:
                 graph[m].add(target)
             for n in names:  # `from ec_nixl import protocol`
-                if f"{target}.{n}" in mods:
+                if f"{target}.{n}" in mods and f"{target}.{n}" != m:
                     graph[m].add(f"{target}.{n}")
     return graph
 

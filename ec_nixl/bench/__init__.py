@@ -22,9 +22,7 @@ Reading order (one module per concern):
 
 Only ``ec_nixl``'s public API is used (``Endpoint``, ``EndpointConfig``, ``ItemRef``,
 ``LoadBarrier``): what the bench measures is what a user gets.
+
+The entry point is ``ec_nixl.bench.command.main``; this package module imports nothing, so that
+its submodules can import each other through it without a circle.
 """
-
-from ec_nixl.bench.command import main
-from ec_nixl.bench.producer import ProducerProcess
-
-__all__ = ["main", "ProducerProcess"]

@@ -15,7 +15,8 @@ from typing import Any
 
 from ec_nixl.bench import idle, proc
 from ec_nixl.bench.memory import as_u8, check, open_source, pin, unpin
-from ec_nixl.bench.paths import FRAGILE, PATHS, Skip, ours, reference
+from ec_nixl.bench.paths import FRAGILE, PATHS, ours, reference
+from ec_nixl.bench.paths.base import Skip
 from ec_nixl.bench.units import BLOCK, ItemSpec, pctl
 
 LOADED = ("ours-read", "ours-write")  # the cases that make "under load" in the idle table
@@ -46,7 +47,9 @@ class Consumer:
             k: Endpoint(EndpointConfig(name=f"ecb-cons-{k[0]}-{pid}", device=dev, mode=mode, **common))
             for k, (wanted, dev, mode) in links.items() if wanted}
         self.pinned = "host" in self.eps and pin(self.eps["host"].pool.arena)
-        self.barriers = {k: LoadBarrier(ep) for k, ep in self.eps.items()}
+        # As vLLM's PD worker does: the hand-over pays for the bytes only; the after-completion
+        # work (read-done to the producer, telemetry) is settled by the next progress() (untimed).
+        self.barriers = {k: LoadBarrier(ep, settle=False) for k, ep in self.eps.items()}
         self._warm_up()
         # Destination of the reference copy, host-bounce's H2D and ucx (pre-touched); raw-nixl has its own.
         self.dst_bytes = cfg["pool_bytes"]
