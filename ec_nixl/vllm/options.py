@@ -28,8 +28,10 @@ class NixlECOptions:
     backend_params: dict = field(default_factory=dict)
     """Backend init parameters, e.g. {"ucx_error_handling_mode": "peer"}."""
     nixl_progress_thread: Optional[bool] = None
-    """NIXL's own progress thread (spins, one core per rank): default on for the serving producer
-    rank, off for consumers (they drive NIXL while they wait)."""
+    """NIXL's own progress thread (sleeps on UCX's wake-up fds, no cost when idle): default on
+    for the serving producer rank, off for consumers (they drive NIXL while they wait)."""
+    nixl_progress_wait_s: float = 0.01
+    """Longest that thread sleeps without a UCX event (0: NIXL's spinning default)."""
     token: Optional[str] = None
     """Shared secret every producer and consumer must hold (HMAC over the handshake)."""
     block_bytes: int = 64 << 10
@@ -176,6 +178,7 @@ def endpoint_config(p: Placement, opts: NixlECOptions, compat: dict, *, control_
         backends=tuple(opts.backends),
         backend_params=dict(opts.backend_params),
         nixl_progress_thread=opts.nixl_progress_thread,
+        nixl_progress_wait_s=opts.nixl_progress_wait_s,
         load_timeout_s=opts.load_timeout_s,
         announce_lease_s=opts.announce_lease_s,
         grant_lease_s=opts.grant_lease_s,
