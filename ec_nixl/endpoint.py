@@ -50,7 +50,15 @@ logger = logging.getLogger("ec_nixl")
 
 # After a peer's last request or notification, a threaded endpoint keeps driving NIXL every 1 ms
 # for this long (consumers' READs may need our side's UCX progress), then polls every 50 ms.
+# With NIXL's progress thread, that thread runs UCX: the loop only drains notifications (every
+# 5 ms, then 50 ms, while it holds items) and, holding nothing, sleeps until a message or a
+# command wakes it (0.5 s at most, for timers).
 _ACTIVE_S = 5.0
+# While a WRITE of ours is in flight, sleep between polls instead of spinning: its completion
+# needs the consumer's UCX (and our progress thread) to run, on CPUs that may be scarce. The
+# sleep starts at 0.2 ms and grows with the WRITE's age up to 2 ms (a consumer that stopped
+# driving its UCX can leave it in flight for long).
+_PUSH_POLL_S = (0.0002, 0.002)
 
 __all__ = ["Endpoint", "ItemRef", "LoadTicket", "HoldRequest", "StatsRequest", "Ready", "PENDING", "LANDED",
            "FAILED", "describe", "dtype_name", "torch_dtype"]
@@ -82,7 +90,8 @@ class Endpoint(Loader, Server):
             try:
                 self.pool = Pool(arena, cfg.block_bytes, reserved_blocks=cfg.probe_blocks)
                 self.transport = Transport(cfg.name, arena, cfg.block_bytes, tuple(cfg.backends),
-                                           dict(cfg.backend_params), progress_thread=cfg.progress_thread)
+                                           dict(cfg.backend_params), progress_thread=cfg.progress_thread,
+                                           progress_wait_s=cfg.nixl_progress_wait_s)
             except Exception:
                 arena.close()
                 raise
@@ -149,13 +158,23 @@ class Endpoint(Loader, Server):
                 self._cv.notify_all()
 
     def _idle_timeout(self) -> float:
-        if self._reads or self._active_pushes or self._commands:
+        if self._reads or self._commands:
             return 0.0
+        if self._active_pushes:  # posted WRITEs; or items not written yet (their fence)
+            posted = [p.xfer.t_posted for _, p in self._active_pushes if p.state == "posted"]
+            if not posted:
+                return 0.001
+            lo, hi = _PUSH_POLL_S
+            return min(hi, max(lo, (time.monotonic() - max(posted)) / 4))
         if any(c.busy for c in self._conns.values()) or self._retry:
             return 0.001
-        if time.monotonic() - self._last_activity < _ACTIVE_S and self.transport is not None:
-            return 0.001  # peers may be reading from us: keep UCX progressing
-        return 0.05
+        if self.transport is not None:
+            recent = time.monotonic() - self._last_activity < _ACTIVE_S
+            if not self.transport.progress_thread:
+                return 0.001 if recent else 0.05  # peers' transfers may need our UCX progress
+            if self._items:
+                return 0.005 if recent else 0.05  # read-done notifications free what we hold
+        return 0.5  # nothing held: only messages and commands (which wake the poller) matter
 
     def _exec(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the owner thread (now, if we are it)."""
@@ -202,10 +221,12 @@ class Endpoint(Loader, Server):
         if self._closed:
             return
         try:
-            events = self._poller.poll(timeout * 1000.0 if timeout > 0 else 0)
+            events = self._poller.poll(timeout * 1000.0 if timeout >= 0.001 else 0)
         except zmq.ZMQError as e:  # pragma: no cover
             logger.warning("poll failed: %s", e)
             events = []
+        if not events and 0 < timeout < 0.001:
+            time.sleep(timeout)  # ZMQ polls in whole ms
         for sock, _ in events:
             if sock == self._wake_fd:
                 try:
