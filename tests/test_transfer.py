@@ -6,6 +6,7 @@ pool poisoned, so a hand-over before the bytes landed would fail the byte-exact 
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from ec_nixl.barrier import LoadBarrier
 from ec_nixl.tickets import ItemRef
 from ec_nixl.errors import LoadFailed
-from peers import digest, make_item
+from peers import ConsumerProcess, digest, make_item
 
 MODES = ["read", "write"]
 
@@ -299,6 +300,44 @@ def test_producer_killed_while_consumer_waits(make_producer, make_consumer, devi
     cons.wait_for(lambda: cons.pool.stats().used == 0 and cons.pool.stats().quarantined == 0, 5)
     st = cons.pool.stats()
     assert st.used == 0 and st.quarantined == 0, st
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of every thread of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_idle_pair_leaves_the_cpu_alone(make_producer, device, mode):
+    """A handshaken producer and consumer holding nothing must not busy-poll (NIXL's progress
+    thread sleeps on UCX's wake-up fds, the I/O thread on its poller): on a 2-core host a
+    spinning thread per endpoint starves everything else. The goal (2 % of a core per process)
+    is the bench's; this only catches a spinner. Work that arrives after the idle spell lands."""
+    prod = make_producer()
+    # Like a vLLM consumer worker: no I/O thread, NIXL driven by its own loads.
+    cons = ConsumerProcess(device=device, mode=mode, threaded=False, pool_bytes=64 << 20)
+    try:
+        def load(specs):
+            descs = prod.call("publish", specs)
+            got = cons.call("load", ([(d, prod.address, 0, 1) for d in descs], 10.0))
+            want = {h: digest(make_item(seed, shape, dtype, device)) for h, shape, dtype, seed in specs}
+            assert {h: (st, dg) for h, st, _, dg in got} == {h: ("landed", dg) for h, dg in want.items()}, got
+
+        load([(f"warm-{i}", (64, 1024), "bfloat16", i) for i in range(3)])
+        deadline = time.monotonic() + 5
+        while prod.call("stats")["pool"]["used"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        window = 4.0
+        before = {p: _cpu_s(p.pid) for p in (prod, cons)}
+        time.sleep(window)
+        use = {type(p).__name__: round((_cpu_s(p.pid) - c) / window, 3) for p, c in before.items()}
+        assert all(u < 0.05 for u in use.values()), f"idle CPU use in cores: {use} (a thread busy-polls)"
+        load([("after-idle", (64, 1024), "bfloat16", 9)])
+    finally:
+        cons.close()
 
 
 def test_producer_killed_mid_transfer_no_hang(make_producer, make_consumer, device):
