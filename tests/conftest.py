@@ -62,19 +62,33 @@ def make_consumer(device):
 
 
 @pytest.fixture
-def make_producer(device):
-    """Factory for producer processes (closed, or killed, at teardown)."""
+def make_peer(device):
+    """Factory for peer processes: ``make_peer(cls=ProducerProcess, **cfg)``; a ``ConsumerProcess``
+    where a consumer must die or run beside others. Pools default to 16 MiB (the fault tests move
+    a few small items). Closed, or killed, at teardown."""
     from peers import ProducerProcess
 
     made = []
 
-    def make(**kw):
+    def make(cls=ProducerProcess, **kw):
         kw.setdefault("device", device)
-        kw.setdefault("pool_bytes", 256 << 20)
-        p = ProducerProcess(**kw)
+        kw.setdefault("pool_bytes", 16 << 20)
+        p = cls(**kw)
         made.append(p)
         return p
 
     yield make
     for p in made:
         p.close()
+
+
+@pytest.fixture
+def make_producer(make_peer):
+    """Factory for producer processes with 256 MiB pools (closed, or killed, at teardown)."""
+    from peers import ProducerProcess
+
+    def make(**kw):
+        kw.setdefault("pool_bytes", 256 << 20)
+        return make_peer(ProducerProcess, **kw)
+
+    return make
