@@ -37,28 +37,38 @@ def device(request):
     return request.param
 
 
+def _closed_at_teardown(create):
+    """A factory fixture's body: hand out ``create(n, *args, **kw)`` (n counts the objects made),
+    then close every one of them at teardown."""
+    made = []
+
+    def make(*args, **kw):
+        obj = create(len(made), *args, **kw)
+        made.append(obj)
+        return obj
+
+    yield make
+    for obj in made:
+        obj.close()
+
+
 @pytest.fixture
 def make_consumer(device):
-    """Factory for consumer endpoints in this process (closed at teardown)."""
+    """Factory for consumer endpoints in this process, their pools poisoned (closed at teardown)."""
     from ec_nixl.config import EndpointConfig
     from ec_nixl.endpoint import Endpoint
 
-    made = []
-
-    def make(**kw):
-        kw.setdefault("name", f"consumer-{len(made)}-{os.getpid()}")
+    def create(n, **kw):
+        kw.setdefault("name", f"consumer-{n}-{os.getpid()}")
         kw.setdefault("device", device)
         kw.setdefault("pool_bytes", 256 << 20)
         kw.setdefault("threaded", False)
         ep = Endpoint(EndpointConfig(**kw))
         if ep.pool is not None:
             ep.pool.arena.bytes.fill_(0xAB)  # poison: an early hand-over would show
-        made.append(ep)
         return ep
 
-    yield make
-    for ep in made:
-        ep.close()
+    yield from _closed_at_teardown(create)
 
 
 @pytest.fixture
@@ -68,18 +78,12 @@ def make_peer(device):
     a few small items). Closed, or killed, at teardown."""
     from peers import ProducerProcess
 
-    made = []
-
-    def make(cls=ProducerProcess, **kw):
+    def create(n, cls=ProducerProcess, **kw):
         kw.setdefault("device", device)
         kw.setdefault("pool_bytes", 16 << 20)
-        p = cls(**kw)
-        made.append(p)
-        return p
+        return cls(**kw)
 
-    yield make
-    for p in made:
-        p.close()
+    yield from _closed_at_teardown(create)
 
 
 @pytest.fixture

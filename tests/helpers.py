@@ -24,7 +24,7 @@ import torch
 from ec_nixl import protocol as P
 from ec_nixl.barrier import LoadBarrier
 from ec_nixl.endpoint import ItemRef
-from ec_nixl.errors import PoolExhausted
+from ec_nixl.errors import LoadFailed, PoolExhausted
 from peers import digest, make_item
 
 MODES = ["read", "write"]
@@ -58,6 +58,24 @@ def fetch(cons, refs, specs, device: str = "cpu", timeout: Optional[float] = Non
     check(LoadBarrier(cons).wait(tickets), specs, device)
     for t in tickets:
         t.release()
+
+
+def fetch_retrying(cons, refs, specs, timeout: float, pause: float = 0.05, device: str = "cpu") -> bool:
+    """Load ``refs`` again and again, as a caller would, until one attempt lands (its bytes are
+    checked, its slots given back: True) or ``timeout`` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tickets = cons.load(refs)
+        try:
+            out = LoadBarrier(cons).wait(tickets)
+        except LoadFailed:
+            cons.wait_for(lambda: False, pause)
+            continue
+        check(out, specs, device)
+        for t in tickets:
+            t.release()
+        return True
+    return False
 
 
 def desc_of(mm_hash: str, shape, dtype: str = "float32") -> P.ItemDesc:

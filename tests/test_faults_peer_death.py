@@ -18,8 +18,8 @@ from ec_nixl.config import EndpointConfig
 from ec_nixl.endpoint import ItemRef
 from ec_nixl.errors import LoadFailed
 from helpers import (MODES, SMALL, TCP_ONLY, awaiting_push, check, connection_state, drained, fetch, fill_pool,
-                     landed, overlaps, phase, quarantined_until, refs_for, slot_state, ticket_slot, timing,
-                     wait_until)
+                     landed, overlaps, phase, quarantined_until, refs_for, set_peer_timeout, slot_state, ticket_slot,
+                     timing, wait_until)
 from peers import ConsumerProcess, digest, make_item
 
 
@@ -33,12 +33,14 @@ def test_producer_killed_while_consumer_waits(make_peer, make_consumer, device, 
     within 5 s naming the item, the consumer keeps serving another producer, nothing leaks."""
     prod = make_peer()
     other = make_peer()
-    cons = make_consumer(mode=mode, pool_bytes=SMALL, quarantine_s=0.2, peer_timeout_s=2.0, load_timeout_s=10.0)
+    cons = make_consumer(mode=mode, pool_bytes=SMALL, quarantine_s=0.2, peer_timeout_s=30.0, load_timeout_s=10.0)
     desc = prod.call("publish_late", ("never", (256, 256), "float32", 1, 3600.0))
     ok_specs = [("fine", (64, 64), "float32", 2)]
     ok_descs = other.call("publish", ok_specs)
     tickets = cons.load(refs_for(prod, [desc]))
+    # The handshake may be slow on a loaded machine; the death must come after it.
     assert cons.wait_for(lambda: connection_state(cons, prod.address) == "ready", 30)
+    set_peer_timeout(cons, 2.0)
     cons.wait_for(lambda: False, 0.3)  # let the request reach the producer
     prod.kill()
     t0 = time.monotonic()

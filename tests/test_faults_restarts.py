@@ -15,7 +15,8 @@ import pytest
 from ec_nixl.barrier import LoadBarrier
 from ec_nixl.endpoint import ItemRef
 from ec_nixl.errors import LoadFailed
-from helpers import MODES, SMALL, check, connection_state, fetch, refs_for, set_peer_timeout, timing
+from helpers import (MODES, SMALL, check, connection_state, fetch, fetch_retrying, refs_for, set_peer_timeout,
+                     timing)
 
 
 def test_side_channel_down_then_back(make_peer, make_consumer, device):
@@ -46,18 +47,8 @@ def test_side_channel_down_then_back(make_peer, make_consumer, device):
     specs = [("b", (32, 32), "float32", 22)]
     desc = second.call("publish", specs)[0]
     t0 = time.monotonic()
-    got = None
-    while got is None and time.monotonic() - t0 < 10:
-        tickets = cons.load([ItemRef(desc=desc, producer=second.address)])
-        try:
-            got = LoadBarrier(cons).wait(tickets)
-        except LoadFailed:
-            cons.wait_for(lambda: False, 0.05)
+    assert fetch_retrying(cons, [ItemRef(desc=desc, producer=second.address)], specs, 10, device=device)
     timing("side channel back: first success after the new listener was up", time.monotonic() - t0)
-    assert got is not None
-    check(got, specs, device)
-    for t in tickets:
-        t.release()
     assert cons.pool.stats().used == 0
 
 

@@ -16,7 +16,7 @@ import pytest
 from ec_nixl.barrier import LoadBarrier
 from ec_nixl.config import EndpointConfig
 from ec_nixl.errors import LoadFailed
-from helpers import SMALL, check, drained, fetch, refs_for, set_peer_timeout, timing, wait_until
+from helpers import SMALL, drained, fetch, fetch_retrying, refs_for, set_peer_timeout, timing, wait_until
 
 
 @pytest.mark.parametrize("timers", ["short", "default"])
@@ -52,18 +52,8 @@ def test_stalled_producer_fails_loads_in_time_then_recovers(make_peer, make_cons
     assert "during" in str(e.value) and prod.address in tickets[0].error
     fetch(cons, refs_for(other, ok_descs), ok, device)  # others are served during the stall
     # After the stall: the same item loads (retrying, as a caller would, with a deadline).
-    got = None
-    deadline = time.monotonic() + stall + 15
-    while got is None and time.monotonic() < deadline:
-        tickets = cons.load(refs_for(prod, descs))
-        try:
-            got = LoadBarrier(cons).wait(tickets)
-        except LoadFailed:
-            cons.wait_for(lambda: False, 0.1)
-    assert got is not None, "never recovered after the stall"
-    check(got, specs, device)
-    for t in tickets:
-        t.release()
+    assert fetch_retrying(cons, refs_for(prod, descs), specs, stall + 15, pause=0.1, device=device), \
+        "never recovered after the stall"
     timing(f"stalled producer ({timers} timers): first success after the stall ended",
            max(0.0, time.monotonic() - (t0 + stall)))
     # Read by its one reader; the pin that the stalled producer granted late to the lost session
