@@ -49,7 +49,7 @@ def test_soak_2x2_read_and_write(device):
     rng = random.Random(20261202)
     producers = [ProducerProcess(name=f"soak-p{i}", device=device, pool_bytes=POOL) for i in range(2)]
     # Generous deadlines: this checks integrity, leaks and memory under sustained load on a shared
-    # machine; detecting dead or silent peers within the default 5 s is test_reliability's job.
+    # machine; detecting dead or silent peers within the default 5 s is test_faults_*'s job.
     consumers = [ConsumerProcess(name=f"soak-c-{mode}", device=device, pool_bytes=POOL, mode=mode,
                                  load_timeout_s=60.0, peer_timeout_s=30.0) for mode in ("read", "write")]
     everyone = producers + consumers

@@ -172,7 +172,7 @@ def test_released_slot_is_not_reused_before_its_fence(make_producer, make_consum
     first = cons.load(refs_for(prod, descs[:1]))
     view = barrier.wait(first)["first"]
     if device == "cuda":
-        torch.cuda._sleep(3_000_000_000)  # ~1.5 s of a busy stream ahead of the gather
+        torch.cuda._sleep(5_000_000_000)  # ~2.5 s of a busy stream ahead of the gather
         gathered = view.clone()  # the gather: reads the slot when the stream gets there
         fence = torch.cuda.Event()
         fence.record()
