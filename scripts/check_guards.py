@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -172,21 +173,51 @@ def _env(root: str, env_extra: dict) -> dict:
     return {**os.environ, **env_extra, "PYTHONPATH": root, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 
 
+def _end_session(sid: int) -> None:
+    """Kill, one by one, what is left of the session pytest ran in: a pytest that crashed leaves
+    its peer processes behind (a producer frozen with SIGSTOP would stay frozen for good)."""
+    for _ in range(3):
+        left = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":  # fields[3]: the session id
+                left.append(int(entry))
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
+
+
 def _pytest(root: str, tests, marker: str, env: dict, timeout: float):
     """One pytest process: (failed test ids, tests run, crashed: a reason or '')."""
     xml = os.path.join(root, "junit.xml")
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", marker, "--junitxml", xml,
            "-o", "junit_family=xunit1", *tests]
     crashed = ""
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        out, _ = proc.communicate(timeout=timeout)
         if proc.returncode not in (0, 1, 5):
             crashed = f"pytest exit {proc.returncode}" + (f" (signal {-proc.returncode})" if proc.returncode < 0 else "")
-            progress = proc.stdout.lstrip().split("\n", 1)[0].split("[", 1)[0].strip()
+            progress = out.lstrip().split("\n", 1)[0].split("[", 1)[0].strip()
             if len(tests) == 1 and set(progress) <= set(".FEsx") and ("F" in progress or "E" in progress):
                 crashed = f"failed, then {crashed}"  # pytest prints a test's verdict before its teardown
     except subprocess.TimeoutExpired:
         crashed = f"hung: killed after {timeout:.0f}s"
+    finally:
+        _end_session(proc.pid)
+        proc.wait(10)
     failed, ran = [], 0
     if os.path.exists(xml):
         for case in ET.parse(xml).getroot().iter("testcase"):
