@@ -30,7 +30,6 @@ def native_extensions():
     use_cuda = CUDA_HOME is not None and torch.version.cuda is not None and \
         os.path.exists(os.path.join(HERE, cu)) and os.environ.get("EC_NIXL_NO_CUDA_EXT") != "1"
     if use_cuda:
-        # No libcuda link: the driver calls are resolved at run time (cudaGetDriverEntryPointByVersion).
         ext = CUDAExtension("ec_nixl._C", sources + [cu], define_macros=[("EC_NIXL_WITH_CUDA", "1")],
                             extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-gencode=arch=compute_90,code=sm_90",
                                                                           "-gencode=arch=compute_80,code=sm_80"]})

@@ -19,10 +19,8 @@ import time
 import pytest
 import torch
 
+from ec_nixl import Endpoint, EndpointConfig, ItemRef, LoadBarrier
 from ec_nixl.arena import Arena
-from ec_nixl.barrier import LoadBarrier
-from ec_nixl.config import EndpointConfig
-from ec_nixl.endpoint import Endpoint, ItemRef
 from ec_nixl.pool import Pool
 
 BLOCK = 64 << 10
@@ -149,10 +147,10 @@ def test_post_prepped_read(benchmark, ratio, pair, device, notif):
     from ec_nixl import protocol as P
 
     prod, cons = pair
-    msg = P.encode_notif(P.NOTIF_READ_DONE, "0" * 16, ["micro-" + "0" * 58], 0) if notif else b""
+    msg = P.encode_notif(P.NOTIF_WRITE_DONE, "0" * 16, ["micro-" + "0" * 58], 0) if notif else b""
     descs, tensors = publish(prod, 1, BLOCK, device, f"post-{notif}")
     (ref_,) = held_refs(cons, prod, descs)
-    peer = cons.transport.peers[prod.cfg.name]
+    peer = cons.transport.peers[prod.transport.name]
     slot = cons.reserve(BLOCK, tag="post-dst")
     tr = cons.transport
 
@@ -195,7 +193,7 @@ def test_post_prepped_read(benchmark, ratio, pair, device, notif):
 @pytest.fixture(scope="module")
 def remote_producer(device):
     """A producer in its own process (no GIL shared with the timed consumer)."""
-    from ec_nixl.bench import ProducerProcess
+    from ec_nixl.bench.producer import ProducerProcess
 
     p = ProducerProcess(device=device, pool_bytes=64 << 20)
     try:

@@ -4,7 +4,7 @@
     pytest bench/test_native_bench.py --benchmark-disable   # a smoke run (each case once)
 
 Prints native/python median ratios at the end; asserts correctness only, never speed (the H200
-numbers come from scripts/probe_waitvalue.py).
+numbers come from bench/probes/waitvalue.py).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The core (this package) imports without vLLM. Follow one encoder output through it:
 
-    endpoint.publish()   producer pins the tensor in the registered pool     (pool, arena)
-    Endpoint.hold/load   consumer asks for it over the control plane          (protocol, endpoint)
+    Endpoint.publish     producer pins the tensor in the registered pool     (published, pool, arena)
+    Endpoint.hold/load   consumer asks for it over the control plane          (links, loader, server)
     Transport.post       one prepped NIXL READ or WRITE moves the bytes       (transport)
     LoadBarrier.wait     nothing reaches compute before its bytes landed      (barrier)
 
@@ -29,6 +29,7 @@ __all__ = [
     "__version__",
     "EndpointConfig",
     "Endpoint",
+    "HoldRequest",
     "ItemRef",
     "LoadBarrier",
     "LoadTicket",
@@ -45,13 +46,19 @@ __all__ = [
 ]
 
 
+_LAZY = {  # name -> the module that defines it
+    "Endpoint": "ec_nixl.endpoint",
+    "ItemRef": "ec_nixl.tickets",
+    "LoadTicket": "ec_nixl.tickets",
+    "HoldRequest": "ec_nixl.queries",
+    "LoadBarrier": "ec_nixl.barrier",
+}
+
+
 def __getattr__(name):  # lazy: importing ec_nixl must not import torch/zmq/nixl
-    if name in ("Endpoint", "ItemRef", "LoadTicket"):
-        from ec_nixl import endpoint
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(name)
+    import importlib
 
-        return getattr(endpoint, name)
-    if name == "LoadBarrier":
-        from ec_nixl.barrier import LoadBarrier
-
-        return LoadBarrier
-    raise AttributeError(name)
+    return getattr(importlib.import_module(module), name)

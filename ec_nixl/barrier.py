@@ -6,7 +6,8 @@ no hook in between, so a connector must never hand over an item before its bytes
 
 1. items already landed return at once (no waiting, no device work);
 2. items in flight are waited for, bounded by a deadline (the endpoint's owner thread keeps
-   driving NIXL meanwhile, or the waiter drives it itself when it is the owner);
+   driving NIXL meanwhile, or the waiter, when it is the owner, polls its own transfers in a
+   tight loop: ``Loader.drive``);
 3. the compute stream is then ordered after the data: where the bytes became visible through
    stream work (``LoadTicket``s carrying a CUDA event), the *current stream waits on that event*;
    no ``torch.cuda.synchronize()``. Bytes that NIXL reports DONE were written by UCX's own
@@ -25,15 +26,22 @@ from typing import Optional, Sequence
 
 import torch
 
-from ec_nixl.endpoint import FAILED, LANDED, Endpoint, LoadTicket
+from ec_nixl.endpoint import Endpoint
 from ec_nixl.errors import LoadFailed
+from ec_nixl.states import TicketState
+from ec_nixl.tickets import LoadTicket
 
 
 class LoadBarrier:
     """Waits for a step's ``LoadTicket``s; see the module docstring."""
 
-    def __init__(self, endpoint: Endpoint):
+    def __init__(self, endpoint: Endpoint, settle: bool = True):
+        """``settle=False``: a caller that drives its own endpoint (vLLM's PD worker) leaves the
+        after-completion work (read-done messages to producers, telemetry) to its next
+        ``Endpoint.progress()``, e.g. at the end of the step, instead of paying it before the
+        hand-over. A threaded endpoint's I/O thread settles on its own either way."""
         self.endpoint = endpoint
+        self.settle = settle
 
     def wait(self, tickets: Sequence[LoadTicket], timeout: Optional[float] = None) -> dict[str, torch.Tensor]:
         """Block until every ticket landed (-> ``{mm_hash: tensor view}``) or raise ``LoadFailed``.
@@ -42,15 +50,19 @@ class LoadBarrier:
         too, so a wait never outlives the load timeout.
         """
         t0 = time.perf_counter()
-        if not all(t.state == LANDED for t in tickets):
+        if not all(t.state is TicketState.LANDED for t in tickets):
             budget = timeout
             if budget is None:
                 budget = max((t.deadline for t in tickets), default=0.0) - time.monotonic() + 0.05
-            self.endpoint.wait_for(lambda: all(t.done for t in tickets), max(0.0, budget))
+            loader = self.endpoint.loader
+            if loader is not None and self.endpoint.loop.is_owner:
+                loader.drive(list(tickets), time.monotonic() + max(0.0, budget), settle=self.settle)
+            else:
+                self.endpoint.wait_for(lambda: all(t.done for t in tickets), max(0.0, budget))
         late = [t for t in tickets if not t.done]
         if late:  # out of time: make them final (quarantining any DMA target) before reporting
             self.endpoint.cancel(late, "not landed before the barrier's deadline")
-        failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state != LANDED}
+        failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state is not TicketState.LANDED}
         if failures:
             raise LoadFailed(failures)
         out = {t.mm_hash: t.tensor() for t in tickets}
@@ -70,4 +82,4 @@ class LoadBarrier:
     @staticmethod
     def failed(tickets: Sequence[LoadTicket]) -> dict[str, str]:
         """The failures among ``tickets`` so far (non-blocking)."""
-        return {t.mm_hash: t.error for t in tickets if t.state == FAILED}
+        return {t.mm_hash: t.error for t in tickets if t.state is TicketState.FAILED}

@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
-        from ec_nixl.bench import main as bench_main
+        from ec_nixl.bench.command import main as bench_main
 
         return bench_main(rest)
     if cmd == "serve-disagg":

@@ -1,239 +1,188 @@
-"""One rank's data plane: the pool, the NIXL transport and the control plane, driven by one thread.
+"""One rank's data plane: a thin facade over the parts it is composed of.
 
-An ``Endpoint`` is both sides at once:
+An ``Endpoint`` can be a producer, a consumer, or both (vLLM's ``ec_both``); it composes only
+the parts its configuration needs, each given its collaborators here and owning its own state:
 
-* **producer** (``producer.Server``) — ``publish()`` pins encoder outputs in the registered pool
-  and serves them to consumers that completed the handshake: ``Hold`` (lease + where is it),
-  ``Get`` (grant a READ), ``Push`` (WRITE it into the consumer's reservation).
-* **consumer** (``consumer.Loader``) — ``load()`` reserves a slot per item and fetches it by READ
-  (pull) or WRITE (push), whichever the link probe at handshake found faster; ``LoadBarrier``
-  waits for them.
+* ``OwnerLoop`` (``loop``) — the one thread that touches NIXL and the sockets;
+* ``Pool`` over an ``Arena`` and the NIXL ``Transport`` — when ``pool_bytes`` > 0;
+* ``Published`` (``items``) — the table of items this rank pins for others (with a pool);
+* ``Server`` (``server``, with its ``Pusher``) — handshakes, holds, grants, pushes (with ``listen``);
+* ``Links`` (``links``) — connections to producers and their queries (always; a control-only
+  endpoint, e.g. vLLM's scheduler, uses nothing else);
+* ``Loader`` (``loader``) — tickets and their transfers (with a pool).
 
-Threading: NIXL agents are not thread-safe, so everything that touches NIXL or a ZMQ socket runs
-on one *owner thread*: the endpoint's I/O thread (``threaded=True``), or the thread that created
-it (``threaded=False``; it must then call ``progress()``, which waits do for it). Other threads
-hand work over through a queue. This module owns the state, the thread and the loop that drives
-both halves; it never blocks on a peer without a deadline.
+The public methods below are the whole API; each delegates to the part that owns the work.
+NIXL notifications (a producer's WRITE done) arrive on the shared agent: this module routes them.
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
-import os
-import secrets
-import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Iterable, Optional
 
-import zmq
+import torch
 
 from ec_nixl import protocol as P
 from ec_nixl.arena import Arena
-from ec_nixl.config import EndpointConfig, split_address
-from ec_nixl.consumer import FAILED, LANDED, PENDING, HoldRequest, ItemRef, Loader, LoadTicket, StatsRequest
+from ec_nixl.config import EndpointConfig
 from ec_nixl.errors import ConfigError
+from ec_nixl.handshake import Identity
+from ec_nixl.links import Links
+from ec_nixl.loader import Loader
+from ec_nixl.loop import OwnerLoop
 from ec_nixl.metrics import Metrics
-from ec_nixl.pool import Pool
-from ec_nixl.producer import Server
-from ec_nixl.tensors import Ready, describe, dtype_name, torch_dtype
+from ec_nixl.pool import Fence, Pool, Slot
+from ec_nixl.published import Published
+from ec_nixl.queries import HoldRequest
+from ec_nixl.server import Server
+from ec_nixl.tickets import ItemRef, LoadTicket
 from ec_nixl.transport import Transport
-
-if TYPE_CHECKING:
-    from ec_nixl.consumer import _Conn
-    from ec_nixl.pool import Slot
-    from ec_nixl.producer import _Item, _Push, _Session
-    from ec_nixl.transport import Xfer
 
 logger = logging.getLogger("ec_nixl")
 
-# After a peer's last request or notification, a threaded endpoint keeps driving NIXL every 1 ms
-# for this long (consumers' READs may need our side's UCX progress), then polls every 50 ms.
-_ACTIVE_S = 5.0
-
-__all__ = ["Endpoint", "ItemRef", "LoadTicket", "HoldRequest", "StatsRequest", "Ready", "PENDING", "LANDED",
-           "FAILED", "describe", "dtype_name", "torch_dtype"]
+ACTIVE_S = 5.0
+"""After a peer's last request or notification, a threaded endpoint keeps driving NIXL every
+1 ms for this long (consumers' READs may need our side's UCX progress), then polls less often."""
 
 
-class Endpoint(Loader, Server):
+class Endpoint:
     """Pool + transport + control plane of one rank. See the module docstring."""
 
     def __init__(self, cfg: EndpointConfig):
         self.cfg = cfg
         self.metrics = Metrics()
-        self.incarnation = secrets.token_hex(8)
-        self.compat = "" if cfg.observer else P.compat_hash({**cfg.compat, "block": cfg.block_bytes})
-        self._token = cfg.token.encode() if cfg.token else None
-        self._owner = threading.get_ident()
-        self._lock = threading.Lock()  # items table (caller threads publish, owner serves)
-        self._cv = threading.Condition()
-        self._commands: collections.deque = collections.deque()
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._reqs = itertools.count(1)
-        self._closed = False
-        self._thread: Optional[threading.Thread] = None
-        self._thread_error: Optional[BaseException] = None
-
+        self.me = Identity.of(cfg)
+        self.loop = OwnerLoop(cfg.name)
         self.pool: Optional[Pool] = None
         self.transport: Optional[Transport] = None
-        if cfg.pool_bytes:
-            arena = Arena(cfg.pool_bytes, cfg.device)
-            try:
-                self.pool = Pool(arena, cfg.block_bytes, reserved_blocks=cfg.probe_blocks)
-                self.transport = Transport(cfg.name, arena, cfg.block_bytes, tuple(cfg.backends),
-                                           dict(cfg.backend_params), progress_thread=cfg.progress_thread)
-            except Exception:
-                arena.close()
-                raise
-
-        # producer state
-        self._items: dict[str, _Item] = {}
-        self._sessions: dict[str, _Session] = {}
-        self._hello_nonces: collections.OrderedDict[bytes, tuple[bytes, Optional[str]]] = collections.OrderedDict()
-        self._active_pushes: list[tuple[_Item, _Push]] = []
-        # consumer state
-        self._conns: dict[str, _Conn] = {}
-        self._by_session: dict[str, _Conn] = {}
-        self._reads: list[LoadTicket] = []  # READs in flight
-        self._retry: list[LoadTicket] = []  # waiting for pool space or a NOT_READY retry
-        self._zombies: list[tuple[Xfer, Slot]] = []  # transfers NIXL could not cancel yet
-        self._changed = False
-        self._next_tick = 0.0
-        self._last_activity = 0.0  # last request or notification from a peer (producer side)
-
-        self._ctx = zmq.Context.instance()
-        self._poller = zmq.Poller()
-        self._poller.register(self._wake_fd, zmq.POLLIN)
-        self._server: Optional[zmq.Socket] = None
-        self.address: Optional[str] = None
-        if cfg.listen:
-            host, port = split_address(cfg.listen, allow_any_port=True)
-            self._server = self._ctx.socket(zmq.ROUTER)
-            self._server.setsockopt(zmq.LINGER, 0)
-            self._server.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            self._server.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
-            try:
-                if port == 0:
-                    port = self._server.bind_to_random_port(f"tcp://{host}")
-                else:
-                    self._server.bind(f"tcp://{host}:{port}")
-            except zmq.ZMQError as e:
-                self._server.close()
-                self.close()
-                raise ConfigError(f"cannot listen on {cfg.listen}: {e}") from None
-            self._poller.register(self._server, zmq.POLLIN)
-            self.address = cfg.advertise or f"{host}:{port}"
+        self.items: Optional[Published] = None
+        self.server: Optional[Server] = None
+        self.loader: Optional[Loader] = None
+        self._last_activity = 0.0
+        try:
+            if cfg.pool_bytes:
+                arena = Arena(cfg.pool_bytes, cfg.device)
+                try:
+                    self.pool = Pool(arena, cfg.block_bytes, reserved_blocks=cfg.probe_blocks)
+                    self.transport = Transport(cfg.name, arena, cfg.block_bytes, tuple(cfg.backends),
+                                               dict(cfg.backend_params), progress_thread=cfg.progress_thread)
+                except Exception:
+                    arena.close()
+                    raise
+                self.items = Published(cfg, self.pool, self.metrics)
+            self.links = Links(cfg, self.me, self.loop, self.metrics, self.transport)
+            if self.pool is not None:
+                self.loader = Loader(cfg, self.pool, self.transport, self.metrics, self.loop, self.links)
+            if cfg.listen:
+                self.server = Server(cfg, self.me, self.loop, self.metrics, self.items, self.transport,
+                                     self.stats, self._touch)
+            if self.transport is not None:
+                self.loop.every_round(self._drain_notifs)
+                self.loop.idle_hint(self._activity_hint)
+            self.loop.every_tick(self._tick)
+        except Exception:
+            self._close_parts()
+            raise
         if cfg.threaded:
-            self._thread = threading.Thread(target=self._run, name=f"ec-nixl-io-{cfg.name}", daemon=True)
-            self._owner = -1
-            self._thread.start()
-            while self._owner == -1 and self._thread.is_alive():
-                time.sleep(0.0005)
+            self.loop.start(on_owner=self.transport.bind_owner if self.transport else (lambda: None))
+
+    # --- identity --------------------------------------------------------------------
+
+    @property
+    def address(self) -> Optional[str]:
+        """'host:port' consumers reach this producer at (None: not serving)."""
+        return self.server.address if self.server is not None else None
+
+    @property
+    def incarnation(self) -> str:
+        return self.me.incarnation
+
+    @property
+    def compat(self) -> str:
+        return self.me.compat
 
     @property
     def is_owner(self) -> bool:
-        return threading.get_ident() == self._owner
+        return self.loop.is_owner
 
-    def _run(self) -> None:
-        self._owner = threading.get_ident()
-        if self.transport is not None:
-            self.transport.bind_owner()
-        try:
-            while not self._closed:
-                self.progress(self._idle_timeout())
-        except BaseException as e:  # pragma: no cover - a bug; make it visible to waiters
-            logger.exception("ec-nixl I/O thread died")
-            self._thread_error = e
-            with self._cv:
-                self._cv.notify_all()
+    # --- producer --------------------------------------------------------------------
 
-    def _idle_timeout(self) -> float:
-        if self._reads or self._active_pushes or self._commands:
-            return 0.0
-        if any(c.busy for c in self._conns.values()) or self._retry:
-            return 0.001
-        if time.monotonic() - self._last_activity < _ACTIVE_S and self.transport is not None:
-            return 0.001  # peers may be reading from us: keep UCX progressing
-        return 0.05
+    def _table(self) -> Published:
+        if self.items is None:
+            raise ConfigError("this endpoint has no pool (pool_bytes=0): it can only hold/query")
+        return self.items
 
-    def _exec(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the owner thread (now, if we are it)."""
-        if self._thread_error is not None:
-            raise RuntimeError(f"ec-nixl I/O thread died: {self._thread_error!r}")
-        if self.is_owner:
-            fn()
-        else:
-            self._commands.append(fn)
-            os.eventfd_write(self._wake_fd, 1)
+    def publish(self, mm_hash: str, tensor: torch.Tensor, ready: Optional[Fence] = None) -> P.ItemDesc:
+        """Pin ``tensor`` for transfer under ``mm_hash``; returns its description (see ``publish_many``)."""
+        return self._table().publish_many([(mm_hash, tensor)], ready)[0]
 
-    def wait_for(self, pred: Callable[[], bool], timeout: float) -> bool:
+    def publish_many(self, items: list[tuple[str, torch.Tensor]], ready: Optional[Fence] = None) -> list[P.ItemDesc]:
+        """Pin a step's encoder outputs (one pack for all copies); see ``Published.publish_many``."""
+        return self._table().publish_many(items, ready)
+
+    def reserve(self, nbytes: int, tag: str = "") -> Slot:
+        """A pool slot to write an item into directly (zero-copy publish with ``publish_slot``)."""
+        return self._table().reserve(nbytes, tag)
+
+    def publish_slot(self, mm_hash: str, slot: Slot, shape, dtype: torch.dtype,
+                     ready: Optional[Fence] = None) -> P.ItemDesc:
+        """Publish bytes already written (or being written: ``ready``) into ``slot``; no copy."""
+        return self._table().publish_slot(mm_hash, slot, shape, dtype, ready)
+
+    def unpublish(self, mm_hash: str) -> bool:
+        """Drop an item now unless a transfer is using it (then it goes when that ends)."""
+        return self._table().unpublish(mm_hash)
+
+    def published(self) -> list[str]:
+        """The hashes of the items published now."""
+        return self.items.hashes() if self.items is not None else []
+
+    # --- consumer --------------------------------------------------------------------
+
+    def _need_loader(self) -> Loader:
+        if self.loader is None:
+            raise ConfigError("this endpoint has no pool (pool_bytes=0): it can only hold/query")
+        return self.loader
+
+    def load(self, refs: Iterable[ItemRef], timeout: Optional[float] = None) -> list[LoadTicket]:
+        """Start loading ``refs``; returns one ticket each at once (see ``LoadBarrier``)."""
+        return self._need_loader().load(refs, timeout)
+
+    def cancel(self, tickets: list[LoadTicket], why: str = "cancelled by the caller") -> None:
+        """Fail every still-pending ticket now (slots of possibly running DMAs go to quarantine)."""
+        self._need_loader().cancel(tickets, why)
+
+    def hold_async(self, producer: str, mm_hashes: list[str], readers: int = 1,
+                   timeout: float = 2.0) -> HoldRequest:
+        """Ask ``producer`` to keep items and say where they are; answers arrive on the request."""
+        return self.links.hold_async(producer, mm_hashes, readers, timeout)
+
+    def hold(self, producer: str, mm_hashes: list[str], readers: int = 1,
+             timeout: float = 1.0) -> dict[str, P.ItemState]:
+        """Blocking ``hold_async``: one ItemState per hash."""
+        return self.links.hold(producer, mm_hashes, readers, timeout)
+
+    def query_stats(self, producer: str, timeout: float = 2.0) -> dict:
+        """A producer's ``stats()`` (pool occupancy, counters), over an authenticated session."""
+        return self.links.query_stats(producer, timeout)
+
+    # --- driving ---------------------------------------------------------------------
+
+    def wait_for(self, pred, timeout: float) -> bool:
         """Wait until ``pred()`` or ``timeout``; the owner pumps progress meanwhile."""
-        deadline = time.monotonic() + timeout
-        if self.is_owner:
-            spins = 0
-            while not pred():
-                now = time.monotonic()
-                if now >= deadline:
-                    return False
-                self.progress(0.0)
-                spins += 1
-                if spins > 200 and not pred():
-                    time.sleep(min(0.0005, max(0.0, deadline - now)))
-            return True
-        with self._cv:
-            while not pred():
-                if self._thread_error is not None:
-                    raise RuntimeError(f"ec-nixl I/O thread died: {self._thread_error!r}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cv.wait(min(remaining, 0.1))
-        return True
-
-    def _notify(self) -> None:
-        if self._changed:
-            self._changed = False
-            with self._cv:
-                self._cv.notify_all()
+        return self.loop.wait_for(pred, timeout)
 
     def progress(self, timeout: float = 0.0) -> None:
-        """One round of I/O: messages, commands, NIXL completions, timers. Owner thread only."""
-        if self._closed:
-            return
-        try:
-            events = self._poller.poll(timeout * 1000.0 if timeout > 0 else 0)
-        except zmq.ZMQError as e:  # pragma: no cover
-            logger.warning("poll failed: %s", e)
-            events = []
-        for sock, _ in events:
-            if sock == self._wake_fd:
-                try:
-                    os.eventfd_read(self._wake_fd)
-                except BlockingIOError:
-                    pass
-            elif sock is self._server:
-                self._serve_some()
-            else:
-                self._on_client_socket(sock)
-        while self._commands:
-            fn = self._commands.popleft()
-            try:
-                fn()
-            except Exception:
-                logger.exception("ec-nixl command failed")
-        if self.transport is not None:
-            if self._reads:
-                self._poll_reads()
-            if self._active_pushes:
-                self._poll_pushes()
-            self._drain_notifs()
-        now = time.monotonic()
-        if now >= self._next_tick:
-            self._tick(now)
-            self._next_tick = now + 0.002
-        self._flush()
-        self._notify()
+        """One round of I/O (owner thread only; waits call it for you)."""
+        self.loop.progress(timeout)
+
+    def _touch(self) -> None:
+        self._last_activity = time.monotonic()
+
+    def _activity_hint(self) -> Optional[float]:
+        # peers may be reading from us: keep UCX progressing for a while after they were active
+        return 0.001 if time.monotonic() - self._last_activity < ACTIVE_S else None
 
     def _drain_notifs(self) -> None:
         try:
@@ -242,30 +191,19 @@ class Endpoint(Loader, Server):
             logger.warning("get_new_notifs failed: %s", e)
             return
         if notifs:
-            self._last_activity = time.monotonic()
+            self._touch()
         for agent, data in notifs:
-            self._on_notif(agent, data)
-
-    def _on_notif(self, agent: str, data: bytes) -> None:
-        n = P.decode_notif(data)
-        if n is None:
-            logger.debug("ignoring foreign notification from %s", agent)
-            return
-        kind, sid, mm_hashes, reader = n
-        if kind == P.NOTIF_READ_DONE:
-            self._on_read_done(agent, sid, mm_hashes, reader)
-        elif kind == P.NOTIF_WRITE_DONE:
-            self._on_write_done(agent, sid, mm_hashes)
-
-    def _need_pool(self) -> Pool:
-        if self.pool is None:
-            raise ConfigError("this endpoint has no pool (pool_bytes=0): it can only hold/query")
-        return self.pool
+            n = P.decode_notif(data)
+            if n is None:
+                logger.debug("ignoring foreign notification from %s", agent)
+                continue
+            kind, sid, mm_hashes, reader = n
+            if kind == P.NOTIF_WRITE_DONE and self.loader is not None:
+                self.loader.on_write_done(agent, sid, mm_hashes)
 
     def _tick(self, now: float) -> None:
-        self._tick_loads(now)
-        if self._items:
-            self._expire_items(now)
+        if self.items is not None:
+            self.items.expire(now)
         if self.pool is not None:
             self.pool.reclaim()
 
@@ -274,45 +212,38 @@ class Endpoint(Loader, Server):
         snap = self.metrics.snapshot()
         if self.pool is not None:
             snap["pool"] = vars(self.pool.stats())
-        with self._lock:
-            snap["items"] = len(self._items)
-        snap["sessions"] = len(self._sessions)
-        snap["peers"] = len(self._conns)
+        snap["items"] = len(self.items) if self.items is not None else 0
+        snap["sessions"] = len(self.server) if self.server is not None else 0
+        snap["peers"] = len(self.links)
         return snap
+
+    # --- shutdown --------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop the I/O thread, say goodbye to producers, deregister and free the pool."""
-        if self._closed:
+        if self.loop.closed:
             return
-
-        def bye():
-            for conn in list(self._conns.values()):
-                if conn.state == "ready":
-                    self._send(conn, P.Bye(session=conn.session))
-
         try:
-            if self._thread is not None and self._thread.is_alive():
-                self._exec(bye)
+            if self.loop.threaded:
+                self.loop.call(self.links.say_goodbye)
                 time.sleep(0.01)
-            elif self.is_owner:
-                bye()
+            elif self.loop.is_owner:
+                self.links.say_goodbye()
         except Exception:
             pass
-        self._closed = True
-        if self._thread is not None:
-            os.eventfd_write(self._wake_fd, 1)
-            self._thread.join(timeout=5)
-        for conn in list(self._conns.values()):
-            try:
-                self._drop_conn(conn)
-            except Exception:
-                pass
-        if self._server is not None:
-            self._server.close(0)
-        os.close(self._wake_fd)
+        self.loop.stop()
         if self.transport is not None:
-            if self._thread is not None:
-                self.transport.bind_owner()
+            self.transport.bind_owner()
+        self._close_parts()
+
+    def _close_parts(self) -> None:
+        links = getattr(self, "links", None)
+        if links is not None:
+            links.close()
+        if self.server is not None:
+            self.server.close()
+        self.loop.close()
+        if self.transport is not None:
             self.transport.close()
         if self.pool is not None:
             self.pool.arena.close()

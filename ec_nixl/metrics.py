@@ -26,6 +26,8 @@ COUNTERS = (
     "nacks",
     "retries",
     "admission_defers",
+    "prefetch_defers",
+    "prefetched",
     "local_fallbacks",
 )
 

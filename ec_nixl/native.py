@@ -4,10 +4,8 @@
   byte offsets. With ``ec_nixl._C`` it is one kernel launch on the current stream (a memcpy loop
   on CPU); the fallback is one ``copy_`` per tensor. ``IMPL`` says which one ``pack`` uses;
   ``pack_native`` / ``pack_python`` are both exposed so benchmarks can compare them.
-A device-side load barrier (a stream waiting with ``cuStreamWaitValue32`` on a word the host
-writes when NIXL reports DONE) was tried and dropped: the H200 driver we measure on runs with
-stream memory operations disabled, and every variant stalled (bench/RESULTS.md); the
-extension still exports its flag primitives for ``scripts/probe_waitvalue.py`` only.
+A device-side load barrier was tried and dropped (bench/RESULTS.md); its probe lives outside
+the package, in ``bench/probes/``.
 
 Set ``EC_NIXL_NATIVE=0`` to ignore the extension. This module never initialises CUDA at import.
 """

@@ -24,6 +24,7 @@ import torch
 
 from ec_nixl.arena import Arena
 from ec_nixl.errors import ItemTooLarge, PoolExhausted
+from ec_nixl.states import SLOT_NEXT, SlotState, advance
 
 
 class Fence(Protocol):
@@ -65,7 +66,7 @@ class Slot:
         self.pool = pool
         self.holds = 1
         self.fences: list[Fence] = []
-        self.state = "live"  # live | deferred | quarantined | free
+        self.state = SlotState.LIVE
         self.tag = tag
 
     @property
@@ -188,7 +189,7 @@ class Pool:
             return None
         with self._lock:
             for slot in self._live.values():
-                if slot.block * self.block_size == off and slot.state == "live":
+                if slot.block * self.block_size == off and slot.state is SlotState.LIVE:
                     return slot
         return None
 
@@ -197,7 +198,7 @@ class Pool:
 
     def _give_back(self, slot: Slot) -> None:
         """Return a slot's blocks to the free list, merging neighbours. Lock held."""
-        slot.state = "free"
+        slot.state = advance(slot.state, SlotState.FREE, SLOT_NEXT)
         self._live.pop(slot.id, None)
         self._used_blocks -= slot.nblocks
         self._frees += 1
@@ -217,7 +218,7 @@ class Pool:
 
     def hold(self, slot: Slot) -> None:
         with self._lock:
-            if slot.state != "live":
+            if slot.state is not SlotState.LIVE:
                 raise RuntimeError(f"cannot hold {slot!r}: it is {slot.state}")
             slot.holds += 1
 
@@ -229,7 +230,7 @@ class Pool:
     def release(self, slot: Slot, fence: Optional[Fence] = None) -> None:
         """Drop one hold; the slot is freed once no hold and no pending fence remains."""
         with self._lock:
-            if slot.state != "live":
+            if slot.state is not SlotState.LIVE:
                 return  # released twice (e.g. cancel racing completion): harmless
             if fence is not None:
                 slot.fences.append(fence)
@@ -238,7 +239,7 @@ class Pool:
                 return
             slot.fences = [f for f in slot.fences if not f.query()]
             if slot.fences:
-                slot.state = "deferred"
+                slot.state = advance(slot.state, SlotState.DEFERRED, SLOT_NEXT)
                 self._deferred.append(slot)
             else:
                 self._give_back(slot)
@@ -251,9 +252,9 @@ class Pool:
         All holds are dropped: the quarantine owns the slot from now on.
         """
         with self._lock:
-            if slot.state != "live":
+            if slot.state is not SlotState.LIVE:
                 return
-            slot.state = "quarantined"
+            slot.state = advance(slot.state, SlotState.QUARANTINED, SLOT_NEXT)
             slot.holds = 0
             self._quarantine.append((slot, time.monotonic() + seconds, check, reason))
 

@@ -7,6 +7,7 @@ package, run the tests that guard it against that copy, and print which of them 
     python scripts/check_guards.py --baseline    # first run the same tests on an unbroken copy
     python scripts/check_guards.py --marker gpu  # the GPU tests instead (on a CUDA machine)
     python scripts/check_guards.py --list        # the table, nothing run
+    python scripts/check_guards.py --check       # every breakage still applies to the source?
 
 Run it with the test environment's Python (e.g. ``.venv/bin/python``); it sets ``PYTHONPATH``
 to the copy itself. Not run by CI: it runs the guarding tests once per breakage. Anyone changing
@@ -77,15 +78,17 @@ BREAKAGES: tuple[Breakage, ...] = (
     Breakage(
         name="read-lands-when-posted",
         guarantee="a READ's item lands when NIXL reports the READ complete, not when it is posted",
-        file="ec_nixl/consumer.py",
+        file="ec_nixl/loader.py",
         old="""        for t, _ in batch:
-            t.xfer, t.t_post, t.phase = x, t_post, "read"
+            t.xfer, t.t_post = x, t_post
+            t.enter(Phase.READ)
             self._reads.append(t)
 """,
         new="""        for t, _ in batch:
-            t.xfer, t.t_post, t.phase = x, t_post, "read"
+            t.xfer, t.t_post = x, t_post
+            t.enter(Phase.READ)
             self._reads.append(t)
-            self._landed(t, record=False)  # BROKEN: landed at post time
+            self._landed(t)  # BROKEN: landed at post time
 """,
         tests=("tests/test_transfer.py", "tests/test_faults_peer_death.py", "tests/test_soak.py"),
         expect=("test_barrier_waits_for_a_read_still_in_flight",
@@ -112,10 +115,10 @@ BREAKAGES: tuple[Breakage, ...] = (
     Breakage(
         name="producer-skips-compat-check",
         guarantee="a producer refuses a Hello whose compatibility hash differs from its own",
-        file="ec_nixl/producer.py",
-        old="""        if msg.compat != self.compat and not observer:
+        file="ec_nixl/handshake.py",
+        old="""    if msg.compat != me.compat and not is_observer(msg):
 """,
-        new="""        if False and msg.compat != self.compat and not observer:  # BROKEN: no compat check
+        new="""    if False and msg.compat != me.compat and not is_observer(msg):  # BROKEN: no compat check
 """,
         tests=("tests/test_security.py", "tests/test_faults_input.py"),
         expect=("test_producer_refuses_a_hello_with_a_wrong_compat_hash",),
@@ -124,18 +127,22 @@ BREAKAGES: tuple[Breakage, ...] = (
         name="barrier-returns-on-slots",
         guarantee="the barrier hands over an item only once its ticket says it landed",
         file="ec_nixl/barrier.py",
-        old="""            self.endpoint.wait_for(lambda: all(t.done for t in tickets), max(0.0, budget))
+        old="""            loader = self.endpoint.loader
+            if loader is not None and self.endpoint.loop.is_owner:
+                loader.drive(list(tickets), time.monotonic() + max(0.0, budget), settle=self.settle)
+            else:
+                self.endpoint.wait_for(lambda: all(t.done for t in tickets), max(0.0, budget))
         late = [t for t in tickets if not t.done]
         if late:  # out of time: make them final (quarantining any DMA target) before reporting
             self.endpoint.cancel(late, "not landed before the barrier's deadline")
-        failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state != LANDED}
+        failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state is not TicketState.LANDED}
         if failures:
             raise LoadFailed(failures)
         out = {t.mm_hash: t.tensor() for t in tickets}
 """,
         new="""            self.endpoint.wait_for(lambda: all(t.done or t.slot is not None for t in tickets),
                                    max(0.0, budget))  # BROKEN: a reserved slot is enough
-        failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state == FAILED}
+        failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state is TicketState.FAILED}
         if failures:
             raise LoadFailed(failures)
         out = {t.mm_hash: t.slot.view(t.ref.desc.shape, getattr(torch, t.ref.desc.dtype))
@@ -280,11 +287,20 @@ def main() -> int:
     ap.add_argument("--baseline", action="store_true", help="first run the tests on an unbroken copy")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per breakage's test run")
     ap.add_argument("--list", action="store_true", help="print the breakages and exit")
+    ap.add_argument("--check", action="store_true",
+                    help="only check that every breakage still applies (its old text is found once)")
     args = ap.parse_args()
     chosen = [b for b in BREAKAGES if args.k in b.name]
     if args.list:
         for b in chosen:
             print(f"{b.name}: {b.guarantee}\n    {b.file}; tests {' '.join(b.tests)}; expect {', '.join(b.expect)}")
+        return 0
+    if args.check:
+        with tempfile.TemporaryDirectory(prefix="ec-nixl-guards-") as tmp:
+            copy_tree(tmp)
+            for b in chosen:
+                apply(b, tmp)  # exits naming the breakage whose old text is gone
+        print(f"all {len(chosen)} breakages apply")
         return 0
     failing_anyway: set[str] = set()
     if args.baseline:

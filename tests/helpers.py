@@ -23,8 +23,8 @@ import torch
 
 from ec_nixl import protocol as P
 from ec_nixl.barrier import LoadBarrier
-from ec_nixl.endpoint import ItemRef
 from ec_nixl.errors import LoadFailed, PoolExhausted
+from ec_nixl.tickets import ItemRef
 from peers import digest, make_item
 
 MODES = ["read", "write"]
@@ -177,21 +177,16 @@ def overlaps(a, b) -> bool:
 # endpoint's parts move; keep each to what one test needs to see and cannot see otherwise.
 
 
-def incarnation(ep) -> str:
-    """The endpoint's incarnation (goes into Hello/Welcome; a restarted process has another)."""
-    return ep.incarnation
-
-
 def connection_state(ep, address: str) -> Optional[str]:
-    """The consumer's connection to ``address`` by name ('connecting', 'ready', 'failed'), or None."""
-    conn = ep._conns.get(address)
-    return None if conn is None else _name(conn.state)
+    """The consumer's link to ``address`` by name ('connecting', 'ready', 'failed', ...), or None."""
+    link = ep.links.find(address)
+    return None if link is None else _name(link.state)
 
 
 def awaiting_push(ep, address: str) -> bool:
-    """Whether the consumer has asked ``address`` to push items it has not been told landed."""
-    conn = ep._conns.get(address)
-    return conn is not None and bool(conn.pushed)
+    """Whether the consumer waits on ``address``'s control plane (e.g. for a push it asked for)."""
+    link = ep.links.find(address)
+    return link is not None and bool(ep.loader.has_work(link))
 
 
 def ticket_slot(t):
@@ -211,28 +206,29 @@ def set_peer_timeout(ep, seconds: float) -> None:
 
 def run_on_owner(ep, fn: Callable[[], None]) -> None:
     """Run ``fn`` on the endpoint's owner (I/O) thread, as its own loop would."""
-    ep._exec(fn)
+    ep.loop.call(fn)
+
+
+def drop_read_done(ep) -> None:
+    """FAULT INJECTION: every read-done message this consumer sends is lost from now on."""
+    send = ep.links.send
+    ep.links.send = lambda link, msg: None if isinstance(msg, P.ReadDone) else send(link, msg)
 
 
 def producer_pushes(ep) -> list[tuple[str, str]]:
     """The pushes a producer is working on, as (mm_hash, 'queued' | 'posted')."""
-    return [(item.desc.mm_hash, _name(push.state)) for item, push in list(ep._active_pushes)]
+    return [(h, _name(st)) for h, st in ep.server.pusher.active()]
 
 
 def producer_items(ep) -> dict:
     """What keeps each published item alive (pins, pushes, interest, readers done, lease left)."""
-    now = time.monotonic()
-    with ep._lock:
-        return {h: {"pins": {f"{k[0]}/{k[1]}": round(v - now, 3) for k, v in it.pins.items()},
-                    "pushes": len(it.pushes), "interest": dict(it.interest),
-                    "done": {g: sorted(r) for g, r in it.done.items()},
-                    "lease_left": round(it.expires_at - now, 3)} for h, it in ep._items.items()}
+    return ep.items.inspect()
 
 
 def get_only(ep, producer: str, mm_hashes: list[str], timeout: float) -> dict:
     """Take READ grants (pins) on ``producer`` and never READ: a reader that dies after its Get.
     Returns {mm_hash: (status, block)}."""
-    from ec_nixl.endpoint import HoldRequest
+    from ec_nixl.queries import HoldRequest
 
     class GetRequest(HoldRequest):
         __slots__ = ()
@@ -241,8 +237,8 @@ def get_only(ep, producer: str, mm_hashes: list[str], timeout: float) -> dict:
         def message(self, session: str):
             return P.Get(session=session, req=self.req, mm_hashes=self.mm_hashes)
 
-    g = GetRequest(producer, list(mm_hashes), 1, next(ep._reqs), time.monotonic() + timeout)
-    ep._exec(lambda: ep._send_hold(g))
+    g = GetRequest(producer, list(mm_hashes), 1, ep.links.next_req(), time.monotonic() + timeout)
+    ep.loop.call(lambda: ep.links.ask(g))
     ep.wait_for(lambda: g.done, timeout + 0.05)
     if not g.done:
         g.finish("TIMEOUT", "no grant")

@@ -71,7 +71,7 @@ def _load(ep, args, timeout):
     """
     import helpers
     from ec_nixl.barrier import LoadBarrier
-    from ec_nixl.endpoint import ItemRef
+    from ec_nixl.tickets import ItemRef
     from ec_nixl.errors import LoadFailed
 
     refs = [ItemRef(desc=d, producer=p, reader=r, readers=n) for d, p, r, n in args]
@@ -98,13 +98,14 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
     torch.set_num_threads(1)  # several peers share a small machine: no intra-op thread pools
     import helpers
     from ec_nixl.config import EndpointConfig
-    from ec_nixl.endpoint import Endpoint, Ready
+    from ec_nixl.endpoint import Endpoint
+    from ec_nixl.tensors import Ready
 
     dev = cfg_kwargs.get("device", "cpu")
     if dev.startswith("cuda"):
         torch.cuda.set_device(torch.device(dev).index or 0)
     ep = Endpoint(EndpointConfig(**cfg_kwargs))
-    conn.send(("ready", (ep.address, helpers.incarnation(ep))))
+    conn.send(("ready", (ep.address, ep.incarnation)))
     pending: dict[str, list] = {}  # load_async batches by name
     while True:
         try:
@@ -167,7 +168,7 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                 conn.send(("ok", _load(ep, items, timeout)))
             elif cmd == "load_async":
                 # Consumer: start loading and answer at once (the test kills us mid-flight).
-                from ec_nixl.endpoint import ItemRef
+                from ec_nixl.tickets import ItemRef
 
                 items, timeout = args
                 tickets = ep.load([ItemRef(desc=d, producer=p, reader=r, readers=n) for d, p, r, n in items],
@@ -198,9 +199,9 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                 started.wait(10)
                 conn.send(("ok", time.monotonic()))
             elif cmd == "drop_read_notifs":
-                # FAULT INJECTION: this consumer's read-done notifications are dropped from now on,
+                # FAULT INJECTION: this consumer's read-done messages are dropped from now on,
                 # as if every one were lost on its way to the producer.
-                ep.transport.send_notif = lambda peer, msg: None
+                helpers.drop_read_done(ep)
                 conn.send(("ok", None))
             elif cmd == "pushes":
                 # Producer: the pushes it is working on, as (mm_hash, 'queued' | 'posted').

@@ -43,3 +43,17 @@ def test_split_address():
     for bad in ["h", "h:x", ":5", "h:70000", "h:0", 5]:
         with pytest.raises(ConfigError):
             split_address(bad)
+
+
+def test_ucx_params_turn_on_zero_copy_read_for_vram_unless_the_user_decided(monkeypatch):
+    from ec_nixl.transport import ucx_params
+
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    assert ucx_params({}, "DRAM") == {}, "no cuda_ipc on DRAM pools: nothing to switch on"
+    assert ucx_params({}, "VRAM") == {"engine_config": "CUDA_IPC_ENABLE_GET_ZCOPY=y"}
+    assert ucx_params({"engine_config": "RCACHE_ENABLE=n", "num_threads": 2}, "VRAM") == \
+        {"engine_config": "RCACHE_ENABLE=n,CUDA_IPC_ENABLE_GET_ZCOPY=y", "num_threads": "2"}
+    assert ucx_params({"engine_config": "CUDA_IPC_ENABLE_GET_ZCOPY=n"}, "VRAM") == \
+        {"engine_config": "CUDA_IPC_ENABLE_GET_ZCOPY=n"}, "the user's own choice stays"
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n")
+    assert ucx_params({}, "VRAM") == {}, "the environment variable wins in UCX: leave it alone"

@@ -17,8 +17,8 @@ import torch
 
 from ec_nixl import protocol as P
 from ec_nixl.barrier import LoadBarrier
-from ec_nixl.endpoint import ItemRef
 from ec_nixl.errors import LoadFailed, ProtocolError
+from ec_nixl.tickets import ItemRef
 from fakes import DEFAULT_COMPAT, FakeAgent, FakeProducer, RawClient, pump, raw_hello
 from helpers import MODES, SMALL, check, desc_of, fetch, refs_for, state, timing
 

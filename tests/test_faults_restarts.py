@@ -13,8 +13,8 @@ import time
 import pytest
 
 from ec_nixl.barrier import LoadBarrier
-from ec_nixl.endpoint import ItemRef
 from ec_nixl.errors import LoadFailed
+from ec_nixl.tickets import ItemRef
 from helpers import (MODES, SMALL, check, connection_state, fetch, fetch_retrying, refs_for, set_peer_timeout,
                      timing)
 

@@ -16,7 +16,8 @@ import pytest
 from ec_nixl.barrier import LoadBarrier
 from ec_nixl.config import EndpointConfig
 from ec_nixl.errors import LoadFailed
-from helpers import SMALL, drained, fetch, fetch_retrying, refs_for, set_peer_timeout, timing, wait_until
+from helpers import (SMALL, drained, drop_read_done, fetch, fetch_retrying, refs_for, set_peer_timeout, timing,
+                     wait_until)
 
 
 @pytest.mark.parametrize("timers", ["short", "default"])
@@ -87,7 +88,7 @@ def test_lost_read_notification_pin_expires_item_freed(make_peer, make_consumer,
     grant, lease = 1.0, 2.0
     prod = make_peer(grant_lease_s=grant, announce_lease_s=lease)
     cons = make_consumer(mode="read", pool_bytes=SMALL)
-    cons.transport.send_notif = lambda peer, msg: None  # the fault: every read-done notification lost
+    drop_read_done(cons)  # the fault: every read-done message lost
     specs = [("quiet", (256, 64), "bfloat16", 1), ("quiet2", (7, 3), "float32", 2)]
     fetch(cons, refs_for(prod, prod.call("publish", specs)), specs, device)
     t0 = time.monotonic()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ec_nixl.arena import Arena
-from ec_nixl.endpoint import Ready
+from ec_nixl.tensors import Ready
 from ec_nixl.errors import ItemTooLarge, PoolExhausted
 from ec_nixl.pool import Pool
 

@@ -178,7 +178,7 @@ def test_hmac_sign_verify_and_replay():
 
 
 def test_notifs_round_trip_and_foreign_bytes():
-    b = P.encode_notif(P.NOTIF_READ_DONE, "s", ["h|x", "y"], 3)
-    assert P.decode_notif(b) == ("R", "s", ["h|x", "y"], 3)
+    b = P.encode_notif(P.NOTIF_WRITE_DONE, "s", ["h|x", "y"], 3)
+    assert P.decode_notif(b) == ("W", "s", ["h|x", "y"], 3)
     assert P.decode_notif(P.encode_notif("W", "s", ["h"] * (P.MAX_ITEMS_PER_MESSAGE + 1), 0)) is None
     assert P.decode_notif(b"bye") is None and P.decode_notif(b"") is None

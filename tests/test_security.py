@@ -16,8 +16,8 @@ import pytest
 
 from ec_nixl import protocol as P
 from ec_nixl.barrier import LoadBarrier
-from ec_nixl.endpoint import ItemRef
 from ec_nixl.errors import LoadFailed
+from ec_nixl.tickets import ItemRef
 from fakes import FakeAgent, FakeProducer, RawClient, pump, raw_hello
 from helpers import SMALL, fetch, refs_for
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from ec_nixl.barrier import LoadBarrier
-from ec_nixl.endpoint import ItemRef, Ready
 from ec_nixl.errors import LoadFailed
+from ec_nixl.tensors import Ready
+from ec_nixl.tickets import ItemRef
 from helpers import MODES, TCP_ONLY, check, fetch, overlap, phase, refs_for, state
 from peers import make_item
 
@@ -87,6 +88,9 @@ def test_barrier_never_releases_early_with_throttled_producer(make_producer, mak
     cons = make_consumer(mode=mode)
     delay = 0.4
     spec = ("late", (1369, 3584), "bfloat16", 42)
+    # Handshake first: on a loaded machine it can outlast the delay, and the item would be ready
+    # before it is first asked for.
+    assert cons.hold(prod.address, ["late"], timeout=30)["late"].status == "MISSING"
     desc = prod.call("publish_late", (*spec, delay))
     t0 = time.monotonic()
     tickets = cons.load(refs_for(prod, [desc]))

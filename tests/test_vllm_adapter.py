@@ -149,7 +149,12 @@ def test_extra_config_is_typed_and_validated():
     from ec_nixl.vllm.options import parse_extra
 
     opts = parse_extra({"mode": "write", "load_timeout_s": "2.5", "backends": ["UCX"], "token": "t"})
-    assert opts.mode == "write" and opts.load_timeout_s == 2.5 and opts.backends == ("UCX",)
+    assert opts.endpoint.mode == "write" and opts.endpoint.load_timeout_s == 2.5
+    assert opts.endpoint.backends == ("UCX",) and opts.endpoint.token == "t"
+    with pytest.raises(ConfigError, match=r"option 'block_bytes'"):
+        parse_extra({"block_bytes": "lots"})
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['pool_bytes'\]"):
+        parse_extra({"pool_bytes": 1})  # placed by the adapter (ec_buffer_size), not a key
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['load_timout_s'\].*valid options are:.*load_timeout_s"):
         parse_extra({"load_timout_s": 1})
     with pytest.raises(ConfigError, match="fallback"):
@@ -231,7 +236,8 @@ def test_item_that_does_not_land_fails_its_request_not_the_engine(producer, cons
     sched.update_state_after_alloc(req, 0)
     meta = sched.build_connector_meta(None)
     producer.call("unpublish_all")  # the item vanishes between admission and load
-    meta.loads[0].valid_until = 0  # force a grant round trip, which now answers MISSING
+    for spec in meta.loads + meta.prefetch:
+        spec.valid_until = 0  # force a grant round trip, which now answers MISSING
     cache: dict = {}
     worker.start_load_caches(cache, meta)
     assert cache["real"].shape == (ROWS, WIDTH) and not cache["real"].any(), "zero placeholder for the gather"
@@ -240,6 +246,74 @@ def test_item_that_does_not_land_fails_its_request_not_the_engine(producer, cons
     sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
     assert sched.take_unavailable_requests() == {"c2"}
     assert worker.endpoint.pool.stats().used == 0
+
+
+def test_busy_engine_prefetches_a_held_item_and_gathers_it_a_step_later(producer, consumer_sides):
+    """Loads off the step's critical path: while other requests run, a request whose hold was
+    just granted is admitted one step later; that step's metadata carries the item as a
+    prefetch, so the step that gathers it finds it landed (bytes checked)."""
+    import types
+
+    vc, sched, worker = consumer_sides()
+    producer.call("publish", [("pf", (ROWS, WIDTH), "bfloat16", 7)])
+    busy = types.SimpleNamespace(total_num_scheduled_tokens=64)
+    sched.build_connector_meta(busy)  # the previous step ran other requests
+    req = request("c-pf", [feature("pf")], params_for("pf", producer.address))
+    deadline = time.monotonic() + 10
+    while not sched.has_cache_item("pf") and time.monotonic() < deadline:
+        assert sched.ensure_cache_available(req, 0) is False
+        time.sleep(0.01)
+    assert sched.has_cache_item("pf"), "the hold was never granted"
+    assert sched.ensure_cache_available(req, 0) is False, "admitted in the step that prefetches it"
+    assert sched.metrics.snapshot()["counters"]["prefetch_defers"] == 1
+    meta = sched.build_connector_meta(busy)
+    assert [p.desc.mm_hash for p in meta.prefetch] == ["pf"] and not meta.loads
+    cache: dict = {}
+    worker.start_load_caches(cache, meta)
+    assert "pf" not in cache, "a prefetch must not reach the encoder cache before its step"
+    deadline = time.monotonic() + 10  # the step runs; its end (get_finished) drives the transfer
+    while worker.endpoint.metrics.snapshot()["counters"]["loads_landed"] < 1 and time.monotonic() < deadline:
+        worker.get_finished()
+    assert sched.ensure_cache_available(req, 0) is True, "admitted the step after its prefetch"
+    sched.update_state_after_alloc(req, 0)
+    meta2 = sched.build_connector_meta(busy)
+    assert [s.desc.mm_hash for s in meta2.loads] == ["pf"] and not meta2.prefetch
+    worker.start_load_caches(cache, meta2)
+    assert digest(cache["pf"]) == digest(make_item(7, (ROWS, WIDTH), "bfloat16"))
+    wm = worker.worker_meta()
+    assert wm.loaded == [(0, "pf")] and not wm.failed
+    assert wm.stats["counters"]["loads_landed"] == 1, "gathered from the prefetch, not loaded twice"
+    # Finished without its embeddings committed: the slot still goes back.
+    sched.update_state_after_free(req, 0)
+    worker.start_load_caches(cache, sched.build_connector_meta(busy))
+    assert worker.endpoint.pool.stats().used == 0
+
+
+def test_prefetched_item_of_an_aborted_request_is_given_back(producer, consumer_sides):
+    import types
+
+    vc, sched, worker = consumer_sides()
+    producer.call("publish", [("gone", (ROWS, WIDTH), "bfloat16", 3)])
+    busy = types.SimpleNamespace(total_num_scheduled_tokens=8)
+    sched.build_connector_meta(busy)
+    req = request("c-gone", [feature("gone")], params_for("gone", producer.address))
+    deadline = time.monotonic() + 10
+    while not sched.has_cache_item("gone") and time.monotonic() < deadline:
+        sched.ensure_cache_available(req, 0)
+        time.sleep(0.01)
+    cache: dict = {}
+    worker.start_load_caches(cache, sched.build_connector_meta(busy))
+    deadline = time.monotonic() + 10
+    while worker.endpoint.metrics.snapshot()["counters"]["loads_landed"] < 1 and time.monotonic() < deadline:
+        worker.get_finished()
+    assert worker.endpoint.pool.stats().used > 0, "the landed prefetch holds a slot"
+    sched.request_finished(req)  # aborted before it was ever scheduled
+    meta = sched.build_connector_meta(busy)
+    assert meta.release == ["gone"] and not meta.loads
+    worker.start_load_caches(cache, meta)
+    assert "gone" not in cache
+    assert worker.endpoint.wait_for(lambda: worker.endpoint.pool.stats().used == 0, 5), \
+        worker.endpoint.pool.stats()
 
 
 @pytest.mark.parametrize("case,over", [
@@ -316,7 +390,8 @@ def test_producer_worker_pins_a_step_with_one_pack_and_serves_it(tiny_model):
     """save_caches collects, the end of the step publishes; a consumer then reads byte-exact."""
     from ec_nixl.barrier import LoadBarrier
     from ec_nixl.config import EndpointConfig
-    from ec_nixl.endpoint import Endpoint, ItemRef
+    from ec_nixl.endpoint import Endpoint
+    from ec_nixl.tickets import ItemRef
     from ec_nixl.vllm.options import compat_fields, parse_extra, placement
     from ec_nixl.vllm.worker import WorkerSide
 

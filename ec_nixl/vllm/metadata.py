@@ -46,6 +46,7 @@ class LoadSpec:
 @dataclass
 class NixlECMetadata(ECConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
+    prefetch: list[LoadSpec] = field(default_factory=list)  # consumer: held items to start loading now
     publish: list[str] = field(default_factory=list)  # producer: (re)publish from the encoder cache
     release: list[str] = field(default_factory=list)  # consumer: committed to KV, give the slot back
 

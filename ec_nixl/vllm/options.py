@@ -9,6 +9,7 @@ parallel rank d serves on ``ec_port + d*tp + r``), ``ec_buffer_size`` (pool byte
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -18,23 +19,25 @@ from ec_nixl.errors import ConfigError
 FALLBACKS = ("auto", "fail")
 
 
+ENDPOINT_FIXED = frozenset({"name", "device", "pool_bytes", "listen", "advertise", "compat", "group",
+                            "observer", "threaded"})
+"""``EndpointConfig`` fields the adapter derives from vLLM's config and the process's place; every
+other ``EndpointConfig`` field is an ``ec_connector_extra_config`` key of the same name."""
+
+
+_TEMPLATE = {"name": "template", "pool_bytes": 0}  # placeholders: replaced per process
+
+
 @dataclass
 class NixlECOptions:
-    """Every key accepted in ``ec_connector_extra_config`` (all optional)."""
+    """Every key accepted in ``ec_connector_extra_config`` (all optional).
 
-    mode: str = "auto"
-    """'read' (consumer pulls), 'write' (producer pushes) or 'auto' (time both at handshake)."""
-    backends: tuple = ("UCX",)
-    backend_params: dict = field(default_factory=dict)
-    """Backend init parameters, e.g. {"ucx_error_handling_mode": "peer"}."""
-    nixl_progress_thread: Optional[bool] = None
-    """NIXL's own progress thread (spins, one core per rank): default on for the serving producer
-    rank, off for consumers (they drive NIXL while they wait)."""
-    token: Optional[str] = None
-    """Shared secret every producer and consumer must hold (HMAC over the handshake)."""
-    block_bytes: int = 64 << 10
-    load_timeout_s: float = 5.0
-    """Longest a worker waits for an admitted item's bytes before failing its request."""
+    The adapter's own keys are declared here; the data-plane keys (``mode``, ``backends``,
+    ``backend_params``, ``nixl_progress_thread``, ``token``, ``block_bytes``, ``load_timeout_s``,
+    leases, timeouts, ...) are ``EndpointConfig``'s fields, declared once there, and arrive in
+    ``endpoint``: a validated template that ``endpoint_config`` completes for each process.
+    """
+
     admission_timeout_s: float = 30.0
     """Longest a request waits for its producer to have its items ready."""
     admission_wait_s: float = 0.005
@@ -42,17 +45,14 @@ class NixlECOptions:
     (saves deferring a whole engine step when the producer answers fast)."""
     missing_grace_s: float = 2.0
     """A producer may not have (re)published an item yet: MISSING is retried this long."""
-    announce_lease_s: float = 60.0
-    grant_lease_s: float = 30.0
-    heartbeat_s: float = 1.0
-    peer_timeout_s: float = 5.0
-    quarantine_s: float = 10.0
     fallback: str = "auto"
     """'auto': re-encode locally when the request carries its media, else fail it; 'fail'."""
     advertise_host: Optional[str] = None
     """Host put in ec_transfer_params (default ec_ip; set it when ec_ip is 0.0.0.0)."""
     compat_model_id: Optional[str] = None
     """What must match between producer and consumer (default: the model path/name)."""
+    endpoint: EndpointConfig = field(default_factory=lambda: EndpointConfig(**_TEMPLATE))
+    """The data-plane settings (name, place and pool are filled in per process)."""
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
@@ -105,7 +105,21 @@ class Placement:
 
 
 def parse_extra(extra: dict) -> NixlECOptions:
-    return parse_options(NixlECOptions, dict(extra or {}))
+    """Typed, validated options; an unknown key fails with the list of every valid one."""
+    extra = {} if extra is None else extra
+    if not isinstance(extra, dict):
+        raise ConfigError(f"ec_connector_extra_config must be a JSON object, got {type(extra).__name__}")
+    adapter_keys = {f.name for f in dataclasses.fields(NixlECOptions)} - {"endpoint"}
+    endpoint_keys = {f.name for f in dataclasses.fields(EndpointConfig)} - ENDPOINT_FIXED
+    unknown = sorted(set(extra) - adapter_keys - endpoint_keys)
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown}; valid options are: "
+                          f"{', '.join(sorted(adapter_keys | endpoint_keys))}")
+    template = parse_options(EndpointConfig, {k: v for k, v in extra.items() if k in endpoint_keys},
+                             fixed=_TEMPLATE)
+    opts = parse_options(NixlECOptions, {k: v for k, v in extra.items() if k in adapter_keys})
+    opts.endpoint = template
+    return opts
 
 
 def placement(vllm_config, worker: bool) -> Placement:
@@ -162,26 +176,15 @@ def compat_fields(vllm_config, opts: NixlECOptions) -> dict:
 def endpoint_config(p: Placement, opts: NixlECOptions, compat: dict, *, control_only: bool) -> EndpointConfig:
     """The core endpoint of one process: a worker rank (pool + NIXL) or a scheduler (control only)."""
     serve = p.serving_rank and not control_only
-    return EndpointConfig(
+    return dataclasses.replace(
+        opts.endpoint,
         name=p.agent_name + ("-sched" if control_only else ""),
         device=p.device,
         pool_bytes=0 if control_only else p.pool_bytes,
-        block_bytes=opts.block_bytes,
         listen=f"{p.ip}:{p.port}" if serve else None,
         advertise=f"{opts.advertise_host}:{p.port}" if serve and opts.advertise_host else None,
         compat=compat,
         group=p.group,
-        token=opts.token,
-        mode=opts.mode,
-        backends=tuple(opts.backends),
-        backend_params=dict(opts.backend_params),
-        nixl_progress_thread=opts.nixl_progress_thread,
-        load_timeout_s=opts.load_timeout_s,
-        announce_lease_s=opts.announce_lease_s,
-        grant_lease_s=opts.grant_lease_s,
-        heartbeat_s=opts.heartbeat_s,
-        peer_timeout_s=opts.peer_timeout_s,
-        quarantine_s=opts.quarantine_s,
         # A serving producer must answer while its engine idles; a consumer-only worker is driven
         # by the model-runner thread itself (no thread hand-offs on the load path).
         threaded=serve or control_only,

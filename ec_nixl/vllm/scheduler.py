@@ -3,7 +3,10 @@
 Consumer: admission gating. A request carrying ``ec_transfer_params`` is admitted only once each
 remote item's producer has confirmed, over the control plane, that the item is ready and held for
 us (a lease, renewed while the request waits). Only then does ``has_cache_item`` say True, so the
-scheduler never plans an external load that cannot land. An item that cannot be had is encoded
+scheduler never plans an external load that cannot land. As soon as a hold is granted, the item
+goes to the workers as a *prefetch* in the next step's metadata; while other requests run, the
+request itself is admitted one step later, so its transfer overlaps that step and the step that
+gathers it only passes the barrier. An item that cannot be had is encoded
 locally when the request carries its media, otherwise the request fails with a message naming
 the item and the reason; it never reaches the gather missing. The holds go through this process's
 own control-only endpoint, not through worker hooks, which vLLM skips on steps with no tokens.
@@ -20,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ec_nixl import protocol as P
-from ec_nixl.endpoint import Endpoint, HoldRequest
+from ec_nixl.endpoint import Endpoint
+from ec_nixl.queries import HoldRequest
 from ec_nixl.metrics import Metrics
 from ec_nixl.vllm.metadata import LoadSpec, NixlECMetadata, NixlECWorkerMeta, RemoteItem, build_params, parse_params
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
@@ -49,6 +53,7 @@ class _Admission:
     items: dict[str, _Item]
     t0: float = field(default_factory=time.monotonic)
     failed: str = ""
+    deferred_step: int = -1  # the step whose metadata carried this request's prefetches
 
 
 class SchedulerSide:
@@ -65,6 +70,10 @@ class SchedulerSide:
         self._ready: dict[str, LoadSpec] = {}  # mm_hash -> where to load it from (held)
         self._users: dict[str, set[str]] = {}  # mm_hash -> request ids that need it
         self._loads: list[LoadSpec] = []
+        self._prefetch: list[LoadSpec] = []  # held items workers start loading at once
+        self._prefetched: set[str] = set()  # sent for prefetch, not yet loaded or released
+        self._step = 0
+        self._busy = False  # the last step scheduled tokens: a new load would stall a batch
         self._unavailable: set[str] = set()
         self._worker_stats: Optional[dict] = None
         self._publish: list[str] = []
@@ -98,7 +107,7 @@ class SchedulerSide:
             if it.status == "ready":
                 spec = self._ready.get(h)
                 if spec is not None and it.hold is None and \
-                        time.time() > spec.valid_until - self.opts.announce_lease_s * _HOLD_REFRESH_S:
+                        time.time() > spec.valid_until - self.opts.endpoint.announce_lease_s * _HOLD_REFRESH_S:
                     it.hold = self.endpoint.hold_async(it.remote.producer, [h], self.place.readers)
                 if it.hold is not None and it.hold.done:
                     self._refresh(h, it)
@@ -113,6 +122,17 @@ class SchedulerSide:
         if pending:
             self._send_holds(adm)
             self.metrics.count("admission_defers")
+            return False
+        if self._busy and adm.deferred_step < 0 and \
+                any(s.desc.mm_hash in adm.items for s in self._prefetch):
+            # Loads off the step's critical path: while other requests run, admit this one a
+            # step later; the workers start its transfers with this step's metadata, so the step
+            # that gathers it only passes the barrier. (An idle engine admits at once: no batch
+            # to stall, and a step with no tokens would not run the worker hooks at all.)
+            adm.deferred_step = self._step
+            self.metrics.count("prefetch_defers")
+            return False
+        if adm.deferred_step == self._step:
             return False
         return True
 
@@ -167,7 +187,7 @@ class SchedulerSide:
                 by_producer.setdefault(it.remote.producer, []).append(h)
         for producer, hashes in by_producer.items():
             hr = self.endpoint.hold_async(producer, hashes, self.place.readers,
-                                          timeout=max(1.0, self.opts.peer_timeout_s))
+                                          timeout=max(1.0, self.opts.endpoint.peer_timeout_s))
             for h in hashes:
                 adm.items[h].hold = hr
 
@@ -184,8 +204,12 @@ class SchedulerSide:
             except Exception as e:
                 return self._give_up(adm, h, it, f"producer answered inconsistently: {e}")
             it.status = "ready"
-            self._ready[h] = LoadSpec("", it.remote.desc, it.remote.producer, state.block,
-                                      time.time() + max(0.0, state.lease_s - 1.0), incarnation)
+            spec = self._ready[h] = LoadSpec("", it.remote.desc, it.remote.producer, state.block,
+                                             time.time() + max(0.0, state.lease_s - 1.0), incarnation)
+            if h not in self._prefetched:
+                self._prefetched.add(h)
+                self._prefetch.append(LoadSpec(adm.req_id, spec.desc, spec.producer, spec.block,
+                                               spec.valid_until, spec.incarnation))
             return
         retry = state.status in _RETRY or (state.status == P.Nack.MISSING.value
                                            and now - adm.t0 < self.opts.missing_grace_s)
@@ -244,6 +268,7 @@ class SchedulerSide:
                 self._loads.append(LoadSpec(request.request_id, spec.desc, spec.producer, spec.block,
                                             spec.valid_until, spec.incarnation))
                 self._loaded.add(h)
+                self._prefetched.discard(h)
         if self.place.is_producer:
             self._publish.append(h)
 
@@ -255,8 +280,11 @@ class SchedulerSide:
             self._release.append(h)
 
     def build_connector_meta(self, scheduler_output) -> NixlECMetadata:
-        meta = NixlECMetadata(loads=self._loads, publish=self._publish, release=self._release)
-        self._loads, self._publish, self._release = [], [], []
+        meta = NixlECMetadata(loads=self._loads, prefetch=self._prefetch, publish=self._publish,
+                              release=self._release)
+        self._loads, self._prefetch, self._publish, self._release = [], [], [], []
+        self._busy = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0
+        self._step += 1
         return meta
 
     def update_connector_output(self, output) -> None:
@@ -285,6 +313,9 @@ class SchedulerSide:
                     if not users:
                         del self._users[h]
                         self._ready.pop(h, None)
+                        if h in self._prefetched:  # prefetched, never loaded: workers drop it
+                            self._prefetched.discard(h)
+                            self._release.append(h)
         if not self.place.is_producer or not request.mm_features:
             return False, None
         if self.place.is_consumer and adm is not None:

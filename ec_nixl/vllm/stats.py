@@ -69,6 +69,7 @@ class NixlECConnectorStats(ECConnectorStats):
             "loads_failed": c.get("loads_failed", 0),
             "local_fallbacks": c.get("local_fallbacks", 0),
             "admission_defers": c.get("admission_defers", 0),
+            "prefetched": c.get("prefetched", 0),
             "expired_leases": c.get("expired_leases", 0),
             "staging_copies": c.get("staging_copies", 0),
         }
@@ -93,6 +94,8 @@ _PROM_COUNTERS = {
     "failed_transfers": "vllm:nixl_ec_num_failed_transfers",
     "expired_leases": "vllm:nixl_ec_num_expired_leases",
     "admission_defers": "vllm:nixl_ec_num_admission_defers",
+    "prefetch_defers": "vllm:nixl_ec_num_prefetch_defers",
+    "prefetched": "vllm:nixl_ec_num_prefetched",
     "local_fallbacks": "vllm:nixl_ec_num_local_fallbacks",
     "loads_failed": "vllm:nixl_ec_num_failed_loads",
     "loads_landed": "vllm:nixl_ec_num_loads_landed",

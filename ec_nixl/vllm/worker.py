@@ -5,8 +5,10 @@ the step's new encoder outputs and the end of the step pins them all in the rank
 pool with one pack (one kernel launch on GPUs); a serving endpoint answers consumers from its own
 I/O thread, so the engine never has to step for a transfer to progress.
 
-Consumer (every rank loads its own copy): ``start_load_caches`` posts this step's loads and waits
-on the ``LoadBarrier`` before anything is put into ``encoder_cache``; the entries are views into
+Consumer (every rank loads its own copy): ``start_load_caches`` posts the step's prefetches
+(items whose holds were just granted) without waiting, then waits on the ``LoadBarrier`` for the
+items this step gathers — usually prefetched a step earlier, so already landed — before anything
+is put into ``encoder_cache``; the entries are views into
 the pool, released (behind a CUDA event on GPUs) once vLLM drops them. An item that did not land
 is reported to the scheduler, which fails its request; its cache entry is a zero tensor so the
 gather cannot crash the engine while that happens.
@@ -21,7 +23,10 @@ from typing import Optional
 import torch
 
 from ec_nixl.barrier import LoadBarrier
-from ec_nixl.endpoint import LANDED, Endpoint, ItemRef, LoadTicket, torch_dtype
+from ec_nixl.endpoint import Endpoint
+from ec_nixl.states import TicketState
+from ec_nixl.tensors import torch_dtype
+from ec_nixl.tickets import ItemRef, LoadTicket
 from ec_nixl.errors import ECNixlError, LoadFailed
 from ec_nixl.vllm.metadata import NixlECMetadata, NixlECWorkerMeta
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
@@ -37,6 +42,7 @@ class WorkerSide:
         self.endpoint: Optional[Endpoint] = None
         self.barrier: Optional[LoadBarrier] = None
         self._held: dict[str, tuple[LoadTicket, torch.Tensor]] = {}
+        self._inflight: dict[str, LoadTicket] = {}  # prefetched, not yet gathered
         self._cache: Optional[dict] = None
         self._loaded: list[tuple[int, str]] = []
         self._failed: list[tuple[int, str, str, str]] = []
@@ -51,7 +57,9 @@ class WorkerSide:
             return  # producer TP rank > 0: rank 0 serves
         cfg = endpoint_config(p, self.opts, compat_fields(self.vllm_config, self.opts), control_only=False)
         self.endpoint = Endpoint(cfg)
-        self.barrier = LoadBarrier(self.endpoint)
+        # The step's hand-over pays for nothing but the bytes: read-done messages and telemetry
+        # go out in get_finished (end of the step) through progress().
+        self.barrier = LoadBarrier(self.endpoint, settle=False)
         logger.info("NixlECConnector %s: %s pool of %.1f MiB on %s%s", cfg.name,
                     self.endpoint.pool.arena.mem_type, p.pool_bytes / 2**20, p.device,
                     f", serving on {self.endpoint.address}" if self.endpoint.address else "")
@@ -95,25 +103,46 @@ class WorkerSide:
         for h in meta.release:
             self._release(h)
         self._sweep()
-        if not meta.loads or self.endpoint is None:
+        if self.endpoint is None or not (meta.loads or meta.prefetch):
             return
+        p = self.place
+
+        def refs(specs):
+            return [ItemRef(desc=s.desc, producer=s.producer, block=s.block, valid_until=s.valid_until,
+                            incarnation=s.incarnation, reader=p.reader, readers=p.readers) for s in specs]
+
+        # Prefetches: items whose holds were just granted. Post them now and do not wait: a later
+        # step (or this one, below) finds them landed. Only the first spec of a hash counts.
+        early = {s.desc.mm_hash: s for s in meta.prefetch
+                 if s.desc.mm_hash not in self._inflight and s.desc.mm_hash not in self._held}
+        if early:
+            for t in self.endpoint.load(refs(early.values())):
+                self._inflight[t.mm_hash] = t
+            self.endpoint.metrics.count("prefetched", len(early))
         specs = {}
         for s in meta.loads:
             if s.desc.mm_hash not in encoder_cache:
                 specs.setdefault(s.desc.mm_hash, s)
         if not specs:
             return
-        p = self.place
-        refs = [ItemRef(desc=s.desc, producer=s.producer, block=s.block, valid_until=s.valid_until,
-                        incarnation=s.incarnation, reader=p.reader, readers=p.readers) for s in specs.values()]
-        tickets = self.endpoint.load(refs)
+        tickets, fresh = [], []
+        for h, s in specs.items():
+            t = self._inflight.pop(h, None)
+            if t is not None and t.state is TicketState.FAILED:
+                t = None  # the prefetch failed (e.g. its producer restarted): load it again now
+            if t is None:
+                fresh.append(s)
+            else:
+                tickets.append(t)
+        if fresh:
+            tickets += self.endpoint.load(refs(fresh))
         try:
             self.barrier.wait(tickets)
         except LoadFailed:
             pass  # handled per ticket below: landed items are used, failed ones reported
         for t in tickets:
             spec = specs[t.mm_hash]
-            if t.state == LANDED:
+            if t.state is TicketState.LANDED:
                 view = t.tensor()
                 encoder_cache[t.mm_hash] = view
                 self._held[t.mm_hash] = (t, view)
@@ -128,6 +157,10 @@ class WorkerSide:
     def _release(self, h: str) -> None:
         """The item is in the KV cache now. vLLM may keep its encoder-cache entry for reuse, so
         the entry becomes a private copy and the pool slot goes back (behind a CUDA event)."""
+        early = self._inflight.pop(h, None)
+        if early is not None:  # prefetched, never gathered (the request went away)
+            self.endpoint.cancel([early], "its request finished before it was gathered")
+            early.release()
         held = self._held.pop(h, None)
         if held is None:
             return
@@ -156,6 +189,8 @@ class WorkerSide:
     def get_finished(self) -> None:
         self.flush_publish()  # end of the step's connector scope: the encoder has run
         self._sweep()
+        if self.endpoint is not None and self.endpoint.is_owner:
+            self.endpoint.progress()  # settle this step's loads (read-done to producers), timers
 
     def worker_meta(self) -> Optional[NixlECWorkerMeta]:
         stats = None

@@ -1,6 +1,11 @@
 #!/usr/bin/env python3
 """Probe: does a CUDA stream resume when a host-mapped word is written? And does pack() pay off?
 
+An experiment kept outside the product (a device-side load barrier, dropped: bench/RESULTS.md,
+"Native fast paths"). It needs no ec-nixl native code: the driver calls go through cuda-bindings,
+and the one native helper (a release store + sfence, ``flag_store.c`` beside this file) is built
+here with the system C compiler into a temporary folder; without a compiler its variants SKIP.
+
 On 2026-12-02 a cuStreamWaitValue32 on a cuMemHostAlloc'd word never resumed after the host wrote
 it (design/device.md). This script tries the wait in ~14 variants of memory x stream x writer x
 condition, EACH IN ITS OWN SUBPROCESS, killed --timeout seconds (default 10) after it has
@@ -10,12 +15,12 @@ gets rid of it. For the variants that work it measures host-store -> event-compl
 threading.Event, then stream.wait_event). Last, pack() (one launch) vs per-tensor copy_ for
 32 x 9.8 MB and 32 x 64 KiB items.
 
-    python scripts/probe_waitvalue.py [--timeout 10] [--json $OUT/probe_waitvalue.json]
-                                      [--only A,B,...] [--no-pack] [--no-wait]
+    python bench/probes/waitvalue.py [--timeout 10] [--json $OUT/probe_waitvalue.json]
+                                     [--only A,B,...] [--no-pack] [--no-wait]
 
-Needs torch with CUDA and cuda-bindings; uses ec_nixl._C where it was built with CUDA
-(`EC_NIXL_REQUIRE_EXT=1 pip install --no-deps --no-build-isolation -e .` first), else those
-variants say SKIP. Prints one table per part and writes everything to --json.
+Needs torch with CUDA and cuda-bindings; the pack part uses ec_nixl.native (``ec_nixl._C`` where
+it was built with CUDA, else only the Python fallback is timed). Prints one table per part and
+writes everything to --json.
 """
 
 from __future__ import annotations
@@ -25,14 +30,18 @@ import ctypes
 import json
 import os
 import queue
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
+FLAG_LIB_ENV = "EC_NIXL_PROBE_FLAG_LIB"  # the parent builds the helper, children load it from here
 
 # name: (memory, stream, writer, condition, what it tells)
 VARIANTS = {
@@ -40,14 +49,14 @@ VARIANTS = {
     "B": ("hostalloc", "torch", "ctypes", "GEQ", "the intended path from Python"),
     "C": ("hostalloc", "nonblocking", "ctypes", "GEQ", "a raw cuStreamCreate(NON_BLOCKING) stream"),
     "D": ("hostalloc", "torch", "ctypes", "EQ", "EQ instead of GEQ"),
-    "E": ("hostalloc", "torch", "ext", "GEQ", "release store + sfence (ec_nixl._C)"),
+    "E": ("hostalloc", "torch", "store", "GEQ", "release store + sfence (flag_store.c)"),
     "F": ("hostalloc", "torch", "devwrite", "GEQ", "GPU writes the sysmem word (cuStreamWriteValue32)"),
     "G": ("hostalloc_wc", "torch", "ctypes", "GEQ", "write-combined word"),
-    "H": ("hostalloc_wc", "torch", "ext", "GEQ", "write-combined + sfence"),
+    "H": ("hostalloc_wc", "torch", "store", "GEQ", "write-combined + sfence"),
     "I": ("hostregister", "torch", "ctypes", "GEQ", "cuMemHostRegister'd malloc memory"),
     "J": ("hostregister", "legacy", "ctypes", "GEQ", "registered memory, legacy stream"),
     "K": ("device", "torch", "devwrite", "GEQ", "control: word in VRAM, GPU writer"),
-    "N": ("ext", "legacy", "ext", "GEQ", "ec_nixl._C end to end on the legacy stream"),
+    "N": ("rt_hostalloc", "legacy", "store", "GEQ", "runtime cudaHostAlloc + release store, legacy stream"),
 }
 ROUNDS = 50
 
@@ -86,12 +95,27 @@ def _ck(res, what):
     return res[1] if isinstance(res, tuple) and len(res) > 1 else None
 
 
-def _ext():
-    try:
-        from ec_nixl import _C  # needs torch imported first
-    except ImportError:
+def build_flag_lib(tmpdir: str) -> tuple:
+    """Compile flag_store.c into ``tmpdir``: (path, "") or (None, why)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None, "no C compiler (cc/gcc)"
+    out = os.path.join(tmpdir, "libflag_store.so")
+    r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", out, os.path.join(HERE, "flag_store.c")],
+                       capture_output=True, text=True, timeout=120)
+    return (out, "") if r.returncode == 0 else (None, f"cc failed: {r.stderr.strip()[-300:]}")
+
+
+def _flag_lib():
+    """The helper the parent built, via ctypes; None when it could not be built."""
+    path = os.environ.get(FLAG_LIB_ENV)
+    if not path:
         return None
-    return _C if getattr(_C, "WITH_CUDA", False) else None
+    lib = ctypes.CDLL(path)
+    lib.flag_store.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+    lib.flag_load.argtypes = [ctypes.c_void_p]
+    lib.flag_load.restype = ctypes.c_uint32
+    return lib
 
 
 def child_env() -> None:
@@ -118,8 +142,7 @@ def child_env() -> None:
             err, v = d.cuDeviceGetAttribute(enum, dev)
             attrs[name] = v if int(err) == 0 else f"error {err}"
     out["attributes"] = attrs
-    ext = _ext()
-    out["ec_nixl._C"] = "built with CUDA" if ext else "absent (or CPU-only)"
+    out["flag_store helper"] = "built" if _flag_lib() else "absent (no C compiler)"
     # Host-side suspects: a VM/IOMMU, confidential computing, the driver's stream-memop switch.
     try:
         q = subprocess.run(["nvidia-smi", "-q"], capture_output=True, text=True, timeout=20).stdout
@@ -143,21 +166,19 @@ def child_wait(name: str) -> None:
     """One variant: enqueue a wait, a kernel and an event; write the word; see if it resumes."""
     mem, stream_kind, writer, cond, _ = VARIANTS[name]
     torch, d, x = _cuda_setup()
-    ext = _ext()
+    lib = _flag_lib()
     res = {"variant": name, "status": "error"}
     geq, eq = int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), int(d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ)
     flag_cond = eq if cond == "EQ" else geq
-    dev_index = torch.cuda.current_device()
 
     def nonblocking_stream():
         return int(_ck(d.cuStreamCreate(int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate"))
 
     # --- the word ---
     host = dptr = 0
-    needs_ext = mem == "ext" or writer == "ext"
-    if needs_ext and ext is None:
+    if writer == "store" and lib is None:
         emit("READY", {})
-        emit("RESULT", {"variant": name, "status": "skip", "error": "ec_nixl._C not built with CUDA"})
+        emit("RESULT", {"variant": name, "status": "skip", "error": "flag_store helper not built (no C compiler)"})
         return
     if mem in ("hostalloc", "hostalloc_wc"):
         flags = d.CU_MEMHOSTALLOC_DEVICEMAP | d.CU_MEMHOSTALLOC_PORTABLE
@@ -176,8 +197,11 @@ def child_wait(name: str) -> None:
         dptr = int(_ck(d.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer"))
     elif mem == "device":
         dptr = int(_ck(d.cuMemAlloc(4096), "cuMemAlloc"))
-    elif mem == "ext":
-        host, dptr = ext.flag_alloc(1, dev_index)
+    elif mem == "rt_hostalloc":  # the runtime API, as an extension would call it
+        from cuda.bindings import runtime as rt
+
+        host = int(_ck(rt.cudaHostAlloc(4096, rt.cudaHostAllocMapped | rt.cudaHostAllocPortable), "cudaHostAlloc"))
+        dptr = int(_ck(rt.cudaHostGetDevicePointer(host, 0), "cudaHostGetDevicePointer"))
     if mem == "device":
         _ck(d.cuMemsetD32(d.CUdeviceptr(dptr), 0, 1), "cuMemsetD32")
     else:
@@ -196,17 +220,14 @@ def child_wait(name: str) -> None:
 
     def enqueue_wait(v: int) -> float:
         t = time.perf_counter()
-        if mem == "ext":
-            ext.stream_wait_value32(sp, dptr, v, flag_cond, dev_index)
-        else:
-            _ck(d.cuStreamWaitValue32(d.CUstream(sp), d.CUdeviceptr(dptr), v, flag_cond), "cuStreamWaitValue32")
+        _ck(d.cuStreamWaitValue32(d.CUstream(sp), d.CUdeviceptr(dptr), v, flag_cond), "cuStreamWaitValue32")
         return time.perf_counter() - t
 
     def write(v: int) -> None:
         if writer == "ctypes":  # a plain store
             ctypes.c_uint32.from_address(host).value = v
-        elif writer == "ext":
-            ext.flag_store(host, v)
+        elif writer == "store":
+            lib.flag_store(host, v)
         else:  # devwrite
             _ck(d.cuStreamWriteValue32(d.CUstream(writer_stream), d.CUdeviceptr(dptr), v, 0), "cuStreamWriteValue32")
 
@@ -450,6 +471,19 @@ def main() -> int:
         os._exit(0)  # never wait for a possibly stuck stream at interpreter teardown
 
     report: dict = {}
+    tmpdir = tempfile.mkdtemp(prefix="ec-nixl-probe-")
+    try:
+        lib, why = build_flag_lib(tmpdir)
+        if lib:
+            os.environ[FLAG_LIB_ENV] = lib  # inherited by every child
+        else:
+            print(f"flag_store helper not built ({why}): variants E, H, N will SKIP")
+        return _parent(a, report)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _parent(a, report: dict) -> int:
     env = run_child(["env"], 60, a.init_timeout)
     report["env"] = env
     print("== environment")

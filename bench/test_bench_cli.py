@@ -1,0 +1,95 @@
+"""``ec-nixl bench`` itself: a bare install runs the main job, and the report's arithmetic.
+
+The bare-install test is fault injection: a ``sitecustomize`` on the subprocesses' PYTHONPATH
+sets ``sys.modules[name] = None`` for the bench's optional dependencies, so ``import`` of them
+raises ImportError in the orchestrator and in both spawned peers, as after ``pip install .``
+without the ``bench`` extra. Everything else is real: two processes, real NIXL DRAM transfers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ec_nixl.bench import goals
+from ec_nixl.bench.paths.raw_nixl import backend_params
+from ec_nixl.bench.units import parse_size
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPTIONAL = ("safetensors", "matplotlib", "tqdm", "ucxx", "cupy", "psutil")
+
+
+def test_bare_install_runs_the_main_job(tmp_path):
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import sys
+        for name in {OPTIONAL!r}:
+            sys.modules[name] = None  # fault injection: as if not installed
+    """))
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim), ROOT, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(
+        [sys.executable, "-m", "ec_nixl.cli", "bench", "--device", "cpu", "--quick", "--sizes", "64K",
+         "--items", "2", "--repeats", "3", "--min-repeats", "2", "--warmup", "1", "--budget-s", "0.05",
+         "--idle-s", "0.5", "--json", str(out_json), "--plot", str(out_png), "--timeout", "150"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text[-4000:]
+    for path, why in (("file", "safetensors not installed"), ("ucx", "ucxx not installed")):
+        assert f"{path}: skipped: {why}" in r.stdout, text[-4000:]
+    assert "plot skipped: matplotlib not installed" in r.stdout and not out_png.exists()
+    assert "progress bar skipped: tqdm not installed" in r.stderr
+    doc = json.loads(out_json.read_text())
+    got = {(x["path"], x["items"]) for x in doc["results"]}
+    for path in ("ours-read", "ours-write", "raw-nixl-read", "raw-nixl-write", "reference-copy", "staged-write"):
+        assert (path, 1) in got and (path, 2) in got, (path, sorted(got))
+    assert all(x["p50_us"] > 0 for x in doc["results"])
+    assert doc["cpu"]["source"] == "/proc"  # psutil hidden: read from /proc
+    assert set(doc["cpu"]["idle"]["cores"]) == {"producer", "consumer"}
+    assert "idle CPU per process:" in r.stdout and "ours vs raw-nixl" in r.stdout
+
+
+def test_unknown_path_and_bad_size_are_refused():
+    from ec_nixl.bench.command import main
+
+    with pytest.raises(SystemExit, match="unknown path"):
+        main(["--device", "cpu", "--paths", "ours-read,warp-drive"])
+    assert main(["--device", "cpu", "--sizes", "3"]) == 2  # odd byte count: not bf16 items
+
+
+def test_raw_agents_get_zero_copy_get_on_cuda_unless_the_user_chose():
+    assert backend_params(False, {"ucx_error_handling_mode": "none"}, {}) == {"ucx_error_handling_mode": "none"}
+    assert backend_params(True, {}, {}) == {"engine_config": "CUDA_IPC_ENABLE_GET_ZCOPY=y"}
+    assert backend_params(True, {"engine_config": "RCACHE_ENABLE=n"}, {}) == \
+        {"engine_config": "RCACHE_ENABLE=n,CUDA_IPC_ENABLE_GET_ZCOPY=y"}
+    assert backend_params(True, {"engine_config": "CUDA_IPC_ENABLE_GET_ZCOPY=n"}, {}) == \
+        {"engine_config": "CUDA_IPC_ENABLE_GET_ZCOPY=n"}
+    assert backend_params(True, {}, {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}) == {}
+
+
+def _row(path, nbytes, us, items=1):
+    return {"path": path, "bytes": nbytes, "items": items, "p50_us": us, "p99_us": us * 2,
+            "gbps": nbytes / (us * 1e-6) / 1e9, "n": 5, "label": "x"}
+
+
+def test_goal_lines_are_ratios_of_the_rows(capsys):
+    q, m64 = parse_size("9.8M").nbytes, 64 << 20
+    rows = [_row("ours-read", q, 118.0), _row("raw-nixl-read", q, 22.0), _row("ours-write", q, 190.0),
+            _row("raw-nixl-write", q, 20.0), _row("reference-copy", q, 23.0),
+            _row("ours-read", m64, 100.0), _row("raw-nixl-read", m64, 95.0)]
+    state = {"rows": rows, "skipped": {}, "cpu": {"idle": {"wall_s": 10.0,
+                                                             "cores": {"producer": 0.9, "consumer": 0.01}}}}
+    lines = goals.print_goals(state, {"device": "cuda"})
+    text = "\n".join(lines)
+    assert "9.8 MB post->barrier vs reference-copy: 5.13x (ours-read 118.0 us vs 23.0 us)" in text
+    assert "9.8 MB ours vs raw-nixl (connector's own cost): read 5.36x (118.0 us vs 22.0 us), write 9.50x" in text
+    assert "64MiB ours vs raw-nixl (connector's own cost): read 1.05x" in text and "1.1x (best direction): met" in text
+    assert "idle CPU per process: producer 90.0%, consumer 1.0% of one core" in text and "MISSED (worst 45x" in text
+    out = capsys.readouterr().out
+    assert all(line in out for line in lines)

@@ -1,0 +1,127 @@
+"""The ``ec-nixl bench`` command: its options, the plan they make, and the run.
+
+``main`` parses the options into a *plan* (a plain dict both peer processes receive: device,
+paths, cases, pool size, repeats, idle window), hands it to the orchestrator and prints the report.
+Exit status: 0 when the run finished (skipped paths included), 1 when it failed or was stopped
+(what was measured is still reported), 2 on bad options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from ec_nixl.bench import orchestrator, proc, report
+from ec_nixl.bench.paths import ALL_PATHS
+from ec_nixl.bench.units import BLOCK, CPU_GOAL_SIZE, DEFAULT_SIZES, PROBE_BYTES, QUICK_SIZES, blocks, human, parse_size
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ec-nixl bench",
+        description="Time ec-nixl's data plane (post -> barrier passed) against the physical reference, plain NIXL "
+                    "and the other EC connectors' data paths, between two processes on this machine.")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where pools and items live (default: cuda if available, else cpu)")
+    p.add_argument("--sizes", default=None,
+                   help=f"item sizes, comma list (default {DEFAULT_SIZES}, --quick {QUICK_SIZES}; 9.8M = 1369x3584 "
+                        f"bf16; a CPU run adds {CPU_GOAL_SIZE} for the CPU goal)")
+    p.add_argument("--items", type=int, default=None, help="items per step of the batch case (default 32; 0: none)")
+    p.add_argument("--batch-size", default="9.8M", help="item size of the batch case (default 9.8M)")
+    p.add_argument("--repeats", type=int, default=None, help="most timed repeats per case (default 50)")
+    p.add_argument("--min-repeats", type=int, default=None, help="fewest timed repeats per case (default 5)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds aimed at per case; repeats adapt between --min-repeats and --repeats (default 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed operations first, per case (default 3)")
+    p.add_argument("--paths", default=",".join(ALL_PATHS), help=f"comma list of {', '.join(ALL_PATHS)}")
+    p.add_argument("--pool-bytes", default=None,
+                   help="pool size per endpoint (default: the largest step, or 4 of the largest item)")
+    p.add_argument("--idle-s", type=float, default=None,
+                   help="idle window after the handshake, for the CPU cost of an idle pair (default 10, --quick 3; "
+                        "0: none)")
+    p.add_argument("--quick", action="store_true", help="a short run (fewer sizes and repeats)")
+    p.add_argument("--nixl-progress-thread", choices=("auto", "on", "off"), default="auto",
+                   help="NIXL's own (spinning) progress thread: auto = on for the producer only")
+    p.add_argument("--backend-params", default=None, metavar="JSON",
+                   help='NIXL UCX backend parameters for every endpoint, e.g. \'{"ucx_error_handling_mode":"none"}\'')
+    p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON (schema ec-nixl-bench/1)")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a latency-vs-size PNG (needs matplotlib)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="give up (killing both processes) after this many s")
+    return p
+
+
+def plan(args) -> dict:
+    """The run's plan from the options; raises ValueError (bad sizes) or SystemExit (bad setup)."""
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("ec-nixl bench: --device cuda but torch sees no CUDA device")
+    q = args.quick
+    sizes = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if q else DEFAULT_SIZES)).split(",") if s.strip()]
+    notes = []
+    if device == "cpu" and args.sizes is None:
+        goal = parse_size(CPU_GOAL_SIZE)
+        if all(s.nbytes != goal.nbytes for s in sizes):
+            sizes.append(goal)
+            notes.append(f"added {CPU_GOAL_SIZE} (the CPU goal's size) to the default sizes")
+    sizes.sort(key=lambda s: s.nbytes)
+    items = args.items if args.items is not None else (8 if q else 32)
+    bspec = parse_size(args.batch_size)
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    bad = [p for p in paths if p not in ALL_PATHS]
+    if bad:
+        raise SystemExit(f"ec-nixl bench: unknown path(s) {bad}; known: {', '.join(ALL_PATHS)}")
+    cases = [((s.nbytes, s.shape, s.dtype, s.label), 1) for s in sizes]
+    if items > 1:
+        cases.append(((bspec.nbytes, bspec.shape, bspec.dtype, bspec.label), items))
+    # Headroom: a producer frees a step's items asynchronously (when its own poll sees the
+    # transfer done), so the next step may be created before the last one is gone.
+    largest = max([blocks(s.nbytes) * BLOCK * 4 for s in sizes] + [blocks(bspec.nbytes) * BLOCK * max(items, 1) * 2])
+    pool = parse_size(args.pool_bytes).nbytes if args.pool_bytes else largest + PROBE_BYTES + BLOCK
+    pool = -(-pool // BLOCK) * BLOCK
+    need = max([blocks(s.nbytes) * BLOCK for s in sizes] + [blocks(bspec.nbytes) * BLOCK * max(items, 1)])
+    if pool - PROBE_BYTES - BLOCK < need:
+        raise SystemExit(f"ec-nixl bench: --pool-bytes {pool} cannot hold one step of {need} B")
+    idle_s = args.idle_s if args.idle_s is not None else (3.0 if q else 10.0)
+    return {
+        "device": device,
+        "paths": paths,
+        "cases": cases,
+        "pool_bytes": pool,
+        "src_bytes": pool,
+        "repeats": args.repeats if args.repeats is not None else (20 if q else 50),
+        "min_repeats": args.min_repeats if args.min_repeats is not None else (3 if q else 5),
+        "budget_s": args.budget_s if args.budget_s is not None else (0.3 if q else 2.0),
+        "warmup": max(1, args.warmup if args.warmup is not None else (2 if q else 3)),
+        "barrier": ((bspec.nbytes, bspec.shape, bspec.dtype, bspec.label), max(items, 1))
+        if "ours-read" in paths else None,
+        "copy_bw_bytes": max(blocks(bspec.nbytes) * BLOCK * max(items, 1), 64 << 20),
+        "idle_s": max(0.0, idle_s),
+        "idle_timeout_s": 300.0 + max(0.0, idle_s),
+        "notes": notes,
+        "backend_params": json.loads(args.backend_params) if args.backend_params else {},
+        "nixl_progress_thread": {"on": True, "off": False}.get(args.nixl_progress_thread),
+    }
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        cfg = plan(args)
+    except ValueError as e:
+        print(f"ec-nixl bench: {e}", file=sys.stderr)
+        return 2
+    load0 = proc.loadavg()
+    print(f"ec-nixl bench: device={cfg['device']} paths={','.join(cfg['paths'])} "
+          f"pool={human(cfg['pool_bytes'])}/endpoint repeats<= {cfg['repeats']} (>= {cfg['min_repeats']}, "
+          f"~{cfg['budget_s']} s per case) warmup={cfg['warmup']} idle={cfg['idle_s']:g} s", flush=True)
+    for n in cfg["notes"]:
+        print(f"  note: {n}", flush=True)
+    ok, state = orchestrator.run(cfg, args.timeout)
+    state["load"] = (load0, proc.loadavg())
+    if state["rows"]:
+        report.report(state, cfg, args)
+    return 0 if ok else 1

@@ -1,0 +1,126 @@
+"""ec-nixl's own paths: ``ours-read``, ``ours-write``, ``staged-write``, and the landed-barrier case.
+
+``ours-read``     ``Endpoint.load()`` -> ``LoadBarrier.wait()`` returned; the consumer READs the
+                  item from the producer's pool at the place a ``hold()`` gave (no grant round trip).
+``ours-write``    the same on a write-mode link: the producer WRITEs into the consumer's slot.
+``staged-write``  ECMooncakeConnector-style: ``publish()`` of a tensor outside the pool (a staging
+                  copy into the registered pool, + synchronize), then the same WRITE; the sample is
+                  the producer's stage time plus the consumer's load time (back to back).
+Producer items of ``ours-*`` are written in place into ``reserve()``d slots (zero-copy publish).
+Only the public API is used (``Endpoint``, ``ItemRef``, ``LoadBarrier``): this is what a user gets.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ec_nixl.bench.memory import as_u8, check, probe, sync
+from ec_nixl.bench.paths.base import Path
+
+
+def held_refs(ep, addr: str, descs: list, hold: bool = True) -> list:
+    """ItemRefs for ``descs``; with ``hold``, one Hold round trip gives their place (direct READ)."""
+    from ec_nixl import ItemRef
+
+    if not hold:
+        return [ItemRef(desc=d, producer=addr) for d in descs]
+    states = ep.hold(addr, [d.mm_hash for d in descs], timeout=30)
+    now = time.time()
+    refs = []
+    for d in descs:
+        s = states[d.mm_hash]
+        if s.status != "ready":
+            raise RuntimeError(f"hold of {d.mm_hash} at {addr}: {s.status} {s.detail}")
+        refs.append(ItemRef(desc=d, producer=addr, block=s.block, valid_until=now + s.lease_s - 1))
+    return refs
+
+
+class OursRead(Path):
+    name = "ours-read"
+    ep_key, kind, hold, addr_key = "read", "ours", True, "address"
+
+    def prepare(self, k: int) -> list:
+        c = self.c
+        groups = c.rpc("items", self.kind, self.tag, self.spec_tuple(), k, self.per_op)
+        refs = held_refs(c.eps[self.ep_key], c.info[self.addr_key], [d for g in groups for d in g[0]], self.hold)
+        out, i = [], 0
+        for descs, probes, stage in groups:
+            out.append((refs[i : i + len(descs)], probes, stage))
+            i += len(descs)
+        return out
+
+    def op(self, payload) -> float:
+        refs, probes, stage = payload
+        ep, barrier = self.c.eps[self.ep_key], self.c.barriers[self.ep_key]
+        t0 = time.perf_counter()
+        tickets = ep.load(refs)
+        out = barrier.wait(tickets, timeout=60)
+        dt = time.perf_counter() - t0
+        ep.progress()  # the end of the step: settle (read-done to the producer), untimed
+        for r, p in zip(refs, probes):
+            check(as_u8(out[r.mm_hash]), p, f"{self.name} {r.mm_hash}")
+        self.keep(tickets)
+        return dt + stage
+
+
+class OursWrite(OursRead):
+    name = "ours-write"
+    ep_key, kind, hold = "write", "ours", False
+
+
+class StagedWrite(OursRead):
+    name = "staged-write"
+    ep_key, kind, hold = "write", "staged", False
+
+
+# --- producer side: how the items of these paths come to be -------------------------------------
+
+
+def stage_in_place(prod, tag: str, nbytes: int, shape, tdt, per_op: int) -> tuple:
+    """The encoder writes its output straight into a reserved slot (untimed: not the transfer)."""
+    slots = []
+    for _ in range(per_op):
+        h = prod.new_hash(tag)
+        slot = prod.reserve(prod.ep, nbytes, h)
+        slot.bytes()[:nbytes].copy_(prod.src_region(nbytes))
+        slots.append((h, slot))
+    sync(prod.device)
+    descs = [prod.ep.publish_slot(h, slot, shape, tdt) for h, slot in slots]
+    return descs, [probe(slot.bytes()[:nbytes]) for _, slot in slots], 0.0
+
+
+def stage_copy(prod, tag: str, nbytes: int, shape, tdt, per_op: int) -> tuple:
+    """The output lives outside the pool: ``publish()`` stages a copy (timed: the producer's cost)."""
+    srcs = [(prod.new_hash(tag), prod.src_region(nbytes)) for _ in range(per_op)]
+    t0 = time.perf_counter()
+    descs = [prod.ep.publish(h, s.view(tdt).view(shape)) for h, s in srcs]
+    sync(prod.device)
+    return descs, [probe(s) for _, s in srcs], time.perf_counter() - t0
+
+
+# --- the barrier on items that already landed ----------------------------------------------------
+
+
+def barrier_landed(c, spec, items: int, reps: int = 300) -> list[tuple]:
+    """``LoadBarrier.wait`` on tickets that already landed (host time), for 1 and ``items`` items:
+    the step-side cost once loads were prefetched. Returns (nbytes, items, samples) per row."""
+    ep, barrier = c.eps["read"], c.barriers["read"]
+    (descs, _, _), = c.rpc("items", "ours", "barrier", (spec.nbytes, spec.shape, spec.dtype), 1, items)
+    tickets = ep.load(held_refs(ep, c.info["address"], descs))
+    barrier.wait(tickets, timeout=60)
+    rows = []
+    try:
+        for n in sorted({1, items}):
+            sub = tickets[:n]
+            ts = []
+            for _ in range(reps + 10):
+                t0 = time.perf_counter()
+                out = barrier.wait(sub)
+                ts.append(time.perf_counter() - t0)
+            if len(out) != n:
+                raise AssertionError(f"barrier returned {len(out)} items for {n} tickets")
+            rows.append((spec.nbytes * n, n, ts[10:]))
+    finally:
+        for t in tickets:
+            t.release()
+    return rows

@@ -1,0 +1,230 @@
+"""``raw-nixl-read`` / ``raw-nixl-write``: the floor. The same bytes between the same two
+processes with plain NIXL and nothing of ec-nixl, so ``ours ÷ raw-nixl`` is the connector's own cost.
+
+One ``nixl_agent`` per process, made when the first raw case runs, each over its own buffer
+registered once. Per case both sides prep one strided descriptor list of a ring of item-sized
+slots (``prep_xfer_dlist``; slot k is the same on both sides); an operation is one
+``make_prepped_xfer`` over a step's slots + ``transfer``, polled by the host with
+``check_xfer_state`` until DONE, timed on the initiator's clock. The consumer READs
+(``raw-nixl-read``), the producer WRITEs (``raw-nixl-write``); the other side drives its agent
+meanwhile (a target may need UCX progress: wire-up, emulated protocols). Data only, no
+notification: ec-nixl's completion messages are part of what the ratio charges to the connector.
+Each chunk poisons the head and tail of its destination slots first and checks them after.
+
+The agents get the bench's ``--backend-params`` and no NIXL progress thread (it spins for the
+whole run, shared/design/nixl.md); on CUDA also ``CUDA_IPC_ENABLE_GET_ZCOPY=y`` (zero-copy READ
+without NVLink, shared/design/device.md) unless the environment sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ec_nixl.bench import proc
+from ec_nixl.bench.memory import check, probe
+from ec_nixl.bench.paths.base import Path, Skip
+from ec_nixl.bench.units import page_round
+
+ZCOPY = "CUDA_IPC_ENABLE_GET_ZCOPY"
+RING = 64  # most slots per ring: a chunk uses each slot at most once
+POISON = 0xA5
+XFER_TIMEOUT_S = 60.0
+
+
+def backend_params(cuda: bool, params: dict, environ=os.environ) -> dict:
+    """The UCX backend parameters of a raw agent: ``params`` plus, on CUDA, zero-copy GET for
+    cuda_ipc, unless the user chose it (environment variable or an ``engine_config`` entry)."""
+    out = {k: str(v) for k, v in params.items()}
+    if not cuda or f"UCX_{ZCOPY}" in environ:
+        return out
+    entries = [e.strip() for e in out.get("engine_config", "").split(",") if e.strip()]
+    if not any(e.split("=", 1)[0].strip().upper().removeprefix("UCX_") == ZCOPY for e in entries):
+        entries.append(f"{ZCOPY}=y")
+    out["engine_config"] = ",".join(entries)
+    return out
+
+
+class RawAgent:
+    """A plain NIXL agent over its own buffer, registered once; prepped rings; host-polled transfers.
+
+    The buffer is plain process memory of the kind the pools use (anonymous, pre-touched DRAM;
+    device memory), not the /dev/shm source: in our CPU runs CMA from that shared file mapping was
+    up to 2x slower, and a floor on slower memory than ours would flatter ours. ``fill`` (the
+    source) gives it the same bytes.
+    """
+
+    def __init__(self, name: str, device: str, nbytes: int, params: dict, fill=None):
+        import torch
+        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore
+
+        cuda = device.startswith("cuda")
+        self.mem = "VRAM" if cuda else "DRAM"
+        self.params = backend_params(cuda, params)
+        self.agent = nixl_agent(name, nixl_agent_config(backends=[], enable_prog_thread=False))
+        self.agent.create_backend("UCX", self.params)
+        self.buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        if fill is not None:
+            self.buf.copy_(fill[:nbytes])
+        if cuda:
+            torch.cuda.synchronize()
+        self.base, self.size = self.buf.data_ptr(), nbytes
+        self.dev = torch.cuda.current_device() if cuda else 0
+        self.reg = self.agent.register_memory([(self.base, self.size, self.dev, "")], self.mem)
+        self.peer, self.peer_info, self.ring = None, None, None
+
+    def info(self) -> dict:
+        return {"md": self.agent.get_agent_metadata(), "base": self.base, "size": self.size, "dev": self.dev,
+                "params": self.params}
+
+    def connect(self, info: dict) -> None:
+        name = self.agent.add_remote_agent(info["md"])
+        self.peer = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
+        self.peer_info = info
+
+    def prep(self, nbytes: int, count: int, stride: int) -> list:
+        """Prep slot k = [k*stride, +nbytes) on both sides; returns the head/tail probe of each slot."""
+        import numpy as np
+
+        self.unprep()
+
+        def ring(base: int, dev: int):  # one strided row: count slots of nbytes, stride apart
+            return np.array([[base, nbytes, dev, stride, count]], dtype=np.uint64)
+
+        p = self.peer_info
+        self.ring = (self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", ring(self.base, self.dev), self.mem),
+                     self.agent.prep_xfer_dlist(self.peer, ring(p["base"], p["dev"]), self.mem))
+        return [probe(self.buf[k * stride : k * stride + nbytes]) for k in range(count)]
+
+    def xfer(self, op: str, slots) -> float:
+        """Seconds from ``make_prepped_xfer`` to DONE of one request over ``slots`` (both sides)."""
+        a, (local, remote) = self.agent, self.ring
+        t0 = time.perf_counter()
+        h = a.make_prepped_xfer(op, local, slots, remote, slots)
+        st = a.transfer(h)
+        while st == "PROC":
+            st = a.check_xfer_state(h)
+            if time.perf_counter() - t0 > XFER_TIMEOUT_S:
+                break
+        dt = time.perf_counter() - t0
+        if st == "DONE":
+            a.release_xfer_handle(h)
+            return dt
+        try:
+            a.release_xfer_handle(h)  # cancels it if NIXL can
+        except Exception:
+            pass
+        raise RuntimeError(f"raw NIXL {op} of slots {list(slots)[:4]}... ended {st} after {dt:.1f} s")
+
+    def progress(self) -> None:
+        """Drive UCX once (no progress thread): what a transfer's target must do now and then."""
+        self.agent.get_new_notifs()
+
+    def unprep(self) -> None:
+        for h in self.ring or ():
+            self.agent.release_dlist_handle(h)
+        self.ring = None
+
+    def close(self) -> None:
+        try:
+            self.unprep()
+            if self.peer is not None:
+                self.agent.remove_remote_agent(self.peer)
+            self.agent.deregister_memory(self.reg)
+        except Exception:
+            pass
+
+
+# --- the consumer's paths ----------------------------------------------------------------------
+
+
+class RawNixlRead(Path):
+    name = "raw-nixl-read"
+
+    def __init__(self, c, spec, per_op):
+        super().__init__(c, spec, per_op)
+        stride = page_round(spec.nbytes)
+        count = min(RING, c.dst_bytes // stride)  # both raw buffers have the destination's size
+        if count < per_op:
+            raise Skip(f"the buffers hold {count} items of {spec.label}; a step needs {per_op}")
+        self.link = c.extras.get("raw") or c.extras.setdefault("raw", _open(c))
+        self.stride, self.count, self.next = stride, count, 0
+        self.chunk = max(1, min(16, count // per_op))
+        self.link.prep(spec.nbytes, count, stride)
+        self.probes = c.rpc("raw_prep", spec.nbytes, count, stride)  # of the source: what must arrive
+
+    def take(self, k: int) -> list:
+        """The slots of ``k`` operations (distinct within a chunk), poisoned at head and tail."""
+        import numpy as np
+
+        groups = []
+        for _ in range(k):
+            groups.append(np.arange(self.next, self.next + self.per_op, dtype=np.int32) % self.count)
+            self.next = (self.next + self.per_op) % self.count
+        buf, n = self.link.buf, self.spec.nbytes
+        for k_ in {int(s) for g in groups for s in g}:
+            off = k_ * self.stride
+            buf[off : off + 8].fill_(POISON)
+            buf[off + n - 8 : off + n].fill_(POISON)
+        if self.c.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        return groups
+
+    def verify(self, groups: list) -> None:
+        n = self.spec.nbytes
+        for g in groups:
+            for s in g.tolist():
+                off = s * self.stride
+                check(self.link.buf[off : off + n], self.probes[s], f"{self.name} slot {s}")
+
+    def samples(self, k: int) -> list[float]:
+        groups = self.take(k)
+        conn = self.c.prod
+        proc.send(conn, "raw_serve")  # the producer drives its agent until our next command
+        try:
+            ts = [self.link.xfer("READ", g) for g in groups]
+        finally:
+            proc.send(conn, "raw_stop")
+            proc.reply(conn, "raw_serve")
+            proc.reply(conn, "raw_stop")
+        self.verify(groups)
+        return ts
+
+
+class RawNixlWrite(RawNixlRead):
+    name = "raw-nixl-write"
+
+    def samples(self, k: int) -> list[float]:
+        groups = self.take(k)
+        conn = self.c.prod
+        proc.send(conn, "raw_write", [g.tolist() for g in groups])
+        progress_until(self.link, conn, spin=self.c.cuda)  # the WRITEs' target side
+        ts = proc.reply(conn, "raw_write")
+        self.verify(groups)
+        return ts
+
+
+def _open(c) -> RawAgent:
+    """The consumer's agent and buffer, connected both ways with the producer's."""
+    agent = RawAgent(f"ecb-raw-cons-{os.getpid()}", c.device, c.dst_bytes, c.cfg.get("backend_params") or {})
+    agent.connect(c.rpc("raw_open", agent.info()))
+    c.extras["raw_params"] = agent.params
+    return agent
+
+
+def progress_until(agent: RawAgent, conn, spin: bool) -> None:
+    """Be the target: drive ``agent`` until something arrives on ``conn``. Spinning on a GPU host
+    (a READ without zero-copy needs the target per message); every 0.5 ms on CPU, where CMA is
+    one-sided after wire-up and a spinning loop would steal one of few cores from the initiator."""
+    tick = 0.0 if spin else 0.0005
+    while not conn.poll(tick):
+        agent.progress()
+
+
+def write_many(agent: RawAgent, groups: list) -> list[float]:
+    """The producer's half of raw-nixl-write: one WRITE per step, seconds of each."""
+    import numpy as np
+
+    return [agent.xfer("WRITE", np.asarray(g, dtype=np.int32)) for g in groups]

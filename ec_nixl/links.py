@@ -1,0 +1,432 @@
+"""A consumer's links to producers: connect, handshake, link probe, heartbeats, silence.
+
+One ``Link`` per producer address: a ZMQ DEALER socket (plus a monitor that reports
+disconnects), the session the producer granted, its NIXL peer, and the transfer mode the link
+probe chose. ``Links`` runs them on the owner thread and carries the asynchronous queries
+(``Hold``, ``Stats``) itself. Everything about *items* belongs to the listener (the loader): it
+is told when a link becomes ready, goes down, or delivers a reply that is not a query answer,
+and it says whether it has work on a link (only then does a producer's silence count).
+
+A link never blocks: handshakes are resent with back-off, a silent producer is declared lost
+after ``peer_timeout_s`` while work is pending, and a link that failed stays failed for a short
+while so that callers fail fast instead of hammering a dead address.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING, Optional, Protocol
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from ec_nixl import handshake
+from ec_nixl import protocol as P
+from ec_nixl.config import EndpointConfig, split_address
+from ec_nixl.errors import ECNixlError, TransferFailed
+from ec_nixl.handshake import Identity
+from ec_nixl.loop import OwnerLoop
+from ec_nixl.metrics import Metrics
+from ec_nixl.queries import HoldRequest, StatsRequest
+from ec_nixl.states import LINK_NEXT, LinkState, advance
+
+if TYPE_CHECKING:
+    from ec_nixl.transport import Peer, Transport
+
+logger = logging.getLogger("ec_nixl")
+
+FAILED_BACKOFF_S = 0.5
+"""A failed link is reused (failing new work at once) this long before it is retried."""
+
+
+class Link:
+    """The consumer's connection to one producer address."""
+
+    def __init__(self, address: str, sock: zmq.Socket, monitor: zmq.Socket, nonce: bytes):
+        self.address = address
+        self.sock = sock
+        self.monitor = monitor
+        self.nonce = nonce
+        self.state = LinkState.CONNECTING
+        self.error = ""
+        self.reason = ""
+        self.session = ""
+        self.name = ""
+        self.incarnation = ""
+        self.peer: Optional[Peer] = None
+        self.mode = ""
+        self.t_start = time.monotonic()
+        self.last_heard = self.t_start
+        self.last_hb = self.t_start
+        self.hellos = 1  # Hellos sent (resends back off: a slow producer must not get a flood)
+        self.idle = True  # no work pending at the last tick
+        self.queries: dict[int, "HoldRequest | StatsRequest"] = {}  # req -> query awaiting its answer
+        self.unsent: list["HoldRequest | StatsRequest"] = []  # queries waiting for the handshake
+
+    def move(self, state: LinkState) -> None:
+        self.state = advance(self.state, state, LINK_NEXT)
+
+    def __repr__(self) -> str:
+        return f"Link({self.address!r}, {self.state}, {self.name or '?'})"
+
+
+class LinkListener(Protocol):
+    """What ``Links`` tells the part that moves items over them (the loader)."""
+
+    def has_work(self, link: Link) -> bool: ...
+
+    def on_ready(self, link: Link) -> None: ...
+
+    def on_down(self, link: Link, error: str, reason: str) -> None: ...
+
+    def on_reply(self, link: Link, msg) -> None: ...
+
+    def on_dropped(self, link: Link) -> None: ...
+
+
+class _NoListener:
+    """A control-only endpoint: links carry queries only."""
+
+    def has_work(self, link: Link) -> bool:
+        return False
+
+    def on_ready(self, link: Link) -> None:
+        pass
+
+    def on_down(self, link: Link, error: str, reason: str) -> None:
+        pass
+
+    def on_reply(self, link: Link, msg) -> None:
+        logger.warning("unexpected %s from producer %s", type(msg).__name__, link.address)
+
+    def on_dropped(self, link: Link) -> None:
+        pass
+
+
+class Links:
+    """All links of one endpoint. Public calls: ``hold_async``/``hold``/``query_stats`` (any thread);
+    the rest runs on the owner thread."""
+
+    def __init__(self, cfg: EndpointConfig, me: Identity, loop: OwnerLoop, metrics: Metrics,
+                 transport: "Optional[Transport]"):
+        self.cfg, self.me, self.loop, self.metrics, self.transport = cfg, me, loop, metrics, transport
+        self.listener: LinkListener = _NoListener()
+        self._ctx = zmq.Context.instance()
+        self._links: dict[str, Link] = {}
+        self._by_session: dict[str, Link] = {}
+        self._reqs = itertools.count(1)
+        loop.every_tick(self.tick)
+        loop.idle_hint(self._idle_hint)
+
+    def next_req(self) -> int:
+        return next(self._reqs)
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def all(self) -> list[Link]:
+        return list(self._links.values())
+
+    def find(self, address: str) -> Optional[Link]:
+        return self._links.get(address)
+
+    def by_session(self, sid: str) -> Optional[Link]:
+        return self._by_session.get(sid)
+
+    # --- queries (any thread) --------------------------------------------------------
+
+    def hold_async(self, producer: str, mm_hashes: list[str], readers: int = 1,
+                   timeout: float = 2.0) -> HoldRequest:
+        """Ask ``producer`` to keep items (extends their lease) and say where they are.
+
+        Returns at once; ``HoldRequest.states`` fills in when the producer answers, or with
+        UNREACHABLE/TIMEOUT for every item when it cannot (never blocks the caller).
+        """
+        h = HoldRequest(producer, list(mm_hashes), readers, self.next_req(), time.monotonic() + timeout)
+        try:
+            split_address(producer)
+        except ECNixlError as e:
+            h.finish("BAD_REQUEST", str(e))
+            return h
+        self.loop.call(lambda: self.ask(h))
+        return h
+
+    def hold(self, producer: str, mm_hashes: list[str], readers: int = 1,
+             timeout: float = 1.0) -> dict[str, P.ItemState]:
+        """Blocking ``hold_async``: one ItemState per hash."""
+        h = self.hold_async(producer, mm_hashes, readers, timeout)
+        self.loop.wait_for(lambda: h.done, timeout + 0.05)
+        if not h.done:
+            h.finish("TIMEOUT", f"no answer from {producer} in {timeout:.3f}s")
+        return h.states
+
+    def query_stats(self, producer: str, timeout: float = 2.0) -> dict:
+        """A producer's ``stats()`` (pool occupancy, counters), over an authenticated session."""
+        r = StatsRequest(producer, self.next_req(), time.monotonic() + timeout)
+        split_address(producer)
+        self.loop.call(lambda: self.ask(r))
+        self.loop.wait_for(lambda: r.done, timeout + 0.05)
+        if r.stats is None:
+            raise TransferFailed(f"no statistics from {producer}: {r.error or 'timed out'}", reason="STATS")
+        return r.stats
+
+    def ask(self, q: "HoldRequest | StatsRequest") -> None:
+        """Send a query now, or once the handshake completes (owner thread)."""
+        link = self.get(q.producer)
+        if link.state is LinkState.FAILED:
+            return q.finish(link.reason or "UNREACHABLE", link.error)
+        self.wake(link)
+        link.queries[q.req] = q
+        if link.state is LinkState.READY:
+            self.send(link, q.message(link.session))
+        else:
+            link.unsent.append(q)
+
+    # --- links (owner thread) --------------------------------------------------------
+
+    def get(self, address: str) -> Link:
+        """The link to ``address``, connecting (and sending our Hello) if there is none."""
+        link = self._links.get(address)
+        if link is not None and link.state is not LinkState.FAILED:
+            return link
+        if link is not None and time.monotonic() - link.t_start < FAILED_BACKOFF_S:
+            return link  # recently failed: do not hammer a dead address
+        if link is not None:
+            self._drop(link)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, secrets.token_bytes(12))
+        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        host, port = split_address(address)
+        sock.connect(f"tcp://{host}:{port}")
+        logger.debug("connecting to producer %s", address)
+        link = Link(address, sock, monitor, P.new_nonce())
+        self._links[address] = link
+        self.loop.add_socket(sock, lambda: self._on_readable(link))
+        self.loop.add_socket(monitor, lambda: self._on_monitor(link))
+        try:
+            sock.send(P.encode(self._hello(link)), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # not connected yet: IMMEDIATE queues nothing; resent by tick()
+        return link
+
+    def _hello(self, link: Link) -> P.Hello:
+        t = self.transport
+        return handshake.hello(self.me, link.nonce, t.metadata if t else None, t.arena_info if t else None)
+
+    def busy(self, link: Link) -> bool:
+        return bool(link.queries or link.unsent) or self.listener.has_work(link)
+
+    def wake(self, link: Link) -> None:
+        """New work on a link that had none: its peer's silence is counted from now (an inline
+        endpoint runs no timers while its owner is away, so older silence proves nothing)."""
+        if link.state is LinkState.READY and not self.busy(link):
+            link.last_heard = max(link.last_heard, time.monotonic())
+            link.idle = False
+
+    def send(self, link: Link, msg) -> None:
+        try:
+            link.sock.send(P.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.debug("send to %s failed: %s", link.address, e)
+
+    def fail(self, link: Link, error: str, reason: str) -> None:
+        """The link cannot be used (refused, unreachable, bad handshake): fail what waits on it."""
+        logger.warning("ec-nixl: %s", error)
+        link.move(LinkState.FAILED)
+        link.error, link.reason = error, reason
+        link.t_start = time.monotonic()
+        self.listener.on_down(link, error, reason)
+        self._finish_queries(link, reason, error)
+
+    def lose(self, link: Link, error: str) -> None:
+        """The producer went away: fail what waits on it (the listener quarantines what a DMA
+        may touch), then drop the link."""
+        logger.warning("ec-nixl: %s", error)
+        link.move(LinkState.LOST)
+        self.listener.on_down(link, error, "PEER_LOST")
+        self._finish_queries(link, "UNREACHABLE", error)
+        self._drop(link)
+
+    def _finish_queries(self, link: Link, status: str, error: str) -> None:
+        for q in list(link.queries.values()) + link.unsent:
+            q.finish(status, error)
+        link.queries.clear()
+        link.unsent = []
+        self.loop.changed()
+
+    def _drop(self, link: Link) -> None:
+        if self._links.get(link.address) is link:
+            del self._links[link.address]
+        if self._by_session.get(link.session) is link:
+            del self._by_session[link.session]
+        self.loop.remove_socket(link.sock)
+        self.loop.remove_socket(link.monitor)
+        try:
+            link.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        link.monitor.close(0)
+        link.sock.close(0)
+        if self.transport is not None and link.name and link.name in self.transport.peers:
+            self.transport.forget_peer(link.name)
+        self.listener.on_dropped(link)
+
+    # --- incoming --------------------------------------------------------------------
+
+    def _on_monitor(self, link: Link) -> None:
+        try:
+            ev = recv_monitor_message(link.monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if ev.get("event") == zmq.EVENT_DISCONNECTED and link.state is LinkState.READY:
+            self.lose(link, f"producer {link.address} disconnected")
+
+    def _on_readable(self, link: Link) -> None:
+        for _ in range(64):
+            if link.state in (LinkState.FAILED, LinkState.LOST):
+                return
+            try:
+                data = link.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            link.last_heard = time.monotonic()
+            try:
+                msg = P.decode(data)
+            except ECNixlError as e:
+                # A producer that sends what is no message cannot be trusted with what is
+                # pending on it: fail that now, naming the problem, instead of timing out.
+                self.metrics.fail("BAD_MESSAGE")
+                why = f"producer {link.address} sent a malformed message: {e}"
+                if link.state is LinkState.READY:
+                    self.lose(link, why)
+                else:
+                    self.fail(link, why, "BAD_MESSAGE")
+                return
+            try:
+                self._on_message(link, msg)
+            except ECNixlError as e:
+                logger.warning("bad message from producer %s: %s", link.address, e)
+                self.metrics.fail("BAD_MESSAGE")
+
+    def _on_message(self, link: Link, msg) -> None:
+        if isinstance(msg, P.Welcome):
+            return self._on_welcome(link, msg)
+        if isinstance(msg, P.Heartbeat):
+            return
+        if isinstance(msg, P.Refused) and (link.state is LinkState.CONNECTING or msg.req == 0):
+            return self.fail(link, f"producer {link.address} refused: {msg.reason}: {msg.detail}", msg.reason)
+        q = link.queries.pop(msg.req, None) if isinstance(msg, (P.Refused, P.Grant, P.StatsReply)) else None
+        if q is not None:
+            if isinstance(msg, P.Refused):
+                q.finish(msg.reason, msg.detail)
+            else:
+                q.resolve(msg, link.incarnation)
+            self.loop.changed()
+            return
+        self.listener.on_reply(link, msg)
+
+    def _on_welcome(self, link: Link, msg: P.Welcome) -> None:
+        if link.state is not LinkState.CONNECTING:
+            return
+        bad = handshake.check_welcome(self.me, link.address, msg, link.nonce)
+        if bad is not None:
+            return self.fail(link, bad[1], bad[0])
+        logger.debug("handshake with %s (%s) done: session %s", link.address, msg.name, msg.session)
+        link.session, link.name, link.incarnation = msg.session, msg.name, msg.incarnation
+        if self.transport is not None:
+            if msg.agent_md is None or msg.arena is None:
+                return self.fail(link, f"producer {link.address} serves no data (control-only)", "INCOMPAT")
+            try:
+                link.peer = self.transport.add_peer(msg.agent_md, msg.arena, msg.incarnation, msg.name)
+            except Exception as e:
+                return self.fail(link, f"cannot add producer {link.address} as NIXL peer: {e}", "INCOMPAT")
+            link.mode = self._choose_mode(link)
+        link.move(LinkState.READY)
+        self._by_session[link.session] = link
+        unsent, link.unsent = link.unsent, []
+        for q in unsent:
+            self.send(link, q.message(link.session))
+        self.listener.on_ready(link)
+
+    def _choose_mode(self, link: Link) -> str:
+        """Time a small READ and WRITE over the real path; pick the faster unless forced."""
+        peer = link.peer
+        n = self.cfg.probe_blocks
+        if self.cfg.mode != "auto":
+            mode = self.cfg.mode
+            read_s = write_s = float("nan")
+        else:
+            read_s = self.transport.probe(peer, "READ", n)
+            write_s = self.transport.probe(peer, "WRITE", n)
+            mode = "read" if read_s <= write_s else "write"
+        gbps = (n * self.cfg.block_bytes) / (read_s if mode == "read" else write_s) / 1e9 \
+            if self.cfg.mode == "auto" else float("nan")
+        self.metrics.link_modes[link.name] = mode
+        logger.info("ec-nixl link %s -> %s: mode=%s (probe %d KiB: READ %.1f us, WRITE %.1f us)",
+                    link.name, self.cfg.name, mode, n * self.cfg.block_bytes >> 10, read_s * 1e6, write_s * 1e6)
+        slow = 5.0 if self.transport.arena.mem_type == "VRAM" else 0.5
+        if gbps == gbps and gbps < slow:
+            logger.warning(
+                "ec-nixl link %s uses %s at only %.2f GB/s: the path looks emulated (e.g. UCX tcp instead "
+                "of cuda_ipc/rdma/cma); check UCX_TLS and UCX_PROTO_INFO=y", link.name, mode.upper(), gbps)
+        return mode
+
+    # --- timers ----------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Handshake resends and timeouts, query timeouts, heartbeats, silence."""
+        for link in list(self._links.values()):
+            if link.state is LinkState.CONNECTING:
+                if now - link.t_start > self.cfg.peer_timeout_s:
+                    self.fail(link, f"producer {link.address} unreachable (no handshake in "
+                              f"{self.cfg.peer_timeout_s:.1f}s)", "UNREACHABLE")
+                elif now - link.last_hb > min(2.0, 0.1 * (1 << min(link.hellos, 5))):
+                    # IMMEDIATE drops sends before the connection is up: resend, 0.2 s, 0.4 s, ... 2 s
+                    link.last_hb = now
+                    link.hellos += 1
+                    self.send(link, self._hello(link))
+                continue
+            if link.state is not LinkState.READY:
+                continue
+            for req, q in list(link.queries.items()):
+                if now >= q.deadline:
+                    del link.queries[req]
+                    q.finish("TIMEOUT", f"no answer from {link.address} to a {q.kind}")
+                    self.loop.changed()
+            if self.busy(link):
+                if link.idle:  # the silence clock starts with the work (however long we were idle)
+                    link.idle = False
+                    link.last_heard = max(link.last_heard, now)
+                if now - link.last_heard > self.cfg.peer_timeout_s:
+                    self.lose(link, f"producer {link.address} silent for {self.cfg.peer_timeout_s:.1f}s")
+                    continue
+                if now - link.last_hb > self.cfg.heartbeat_s:
+                    link.last_hb = now
+                    self.send(link, P.Heartbeat(session=link.session))
+            else:
+                link.idle = True
+
+    def _idle_hint(self) -> Optional[float]:
+        return 0.001 if any(self.busy(link) for link in self._links.values()) else None
+
+    # --- shutdown --------------------------------------------------------------------
+
+    def say_goodbye(self) -> None:
+        """Tell every producer we are leaving (frees our sessions there at once)."""
+        for link in list(self._links.values()):
+            if link.state is LinkState.READY:
+                self.send(link, P.Bye(session=link.session))
+
+    def close(self) -> None:
+        for link in list(self._links.values()):
+            try:
+                self._drop(link)
+            except Exception:
+                pass

@@ -1,0 +1,533 @@
+"""Loading items: the consumer side of an endpoint.
+
+``load()`` reserves a pool slot per item and fetches it the way the link prefers: a READ of the
+producer's slot (pull; at once when a Hold already told where it is, else after a Get/Grant), or a
+Push asking the producer to WRITE into our slot. A round's items from one producer travel as one
+NIXL request. ``LoadTicket``s report the outcome; ``LoadBarrier`` waits on them.
+
+Every failure goes through ``fail``, which alone decides what happens to the slot: released when
+no DMA can touch it, quarantined (or kept with its transfer until NIXL lets go of it) when one
+may. So a slot is never reused while a transfer might still write it, and never leaked.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Iterable, Optional
+
+from ec_nixl import protocol as P
+from ec_nixl.config import EndpointConfig, split_address
+from ec_nixl.errors import ECNixlError, ItemTooLarge, PoolExhausted, TransferFailed
+from ec_nixl.links import Link, Links
+from ec_nixl.loop import OwnerLoop
+from ec_nixl.metrics import Metrics
+from ec_nixl.pool import Pool, Slot
+from ec_nixl.states import IN_DMA, LinkState, Phase
+from ec_nixl.tickets import ItemRef, LoadTicket
+from ec_nixl.transport import Transport, Xfer
+
+logger = logging.getLogger("ec_nixl")
+
+_RETRYABLE = frozenset({P.Nack.NOT_READY.value, P.Nack.BUSY.value})
+ROUND_EVERY_S = 0.001
+"""While a waiter polls its own READs, it still runs a full loop round this often (heartbeats,
+grants and messages of other work must not starve)."""
+
+
+class _Lane:
+    """The loader's work on one link, by stage."""
+
+    __slots__ = ("waiting", "get_queue", "push_queue", "read_queue", "by_req", "pushed", "zombies")
+
+    def __init__(self):
+        self.waiting: list[LoadTicket] = []  # until the handshake completes
+        self.get_queue: list[LoadTicket] = []  # to send in the next Get
+        self.push_queue: list[LoadTicket] = []  # to send in the next Push
+        self.read_queue: list[tuple[LoadTicket, int]] = []  # (ticket, producer block) to READ this round
+        self.by_req: dict[int, list[LoadTicket]] = {}  # Get req -> tickets awaiting the Grant
+        self.pushed: dict[str, LoadTicket] = {}  # mm_hash -> ticket awaiting the WRITE notification
+        self.zombies: list[tuple[Slot, float]] = []  # push targets awaiting a CancelAck
+
+    def __bool__(self) -> bool:
+        return bool(self.waiting or self.get_queue or self.push_queue or self.read_queue or self.by_req
+                    or self.pushed or self.zombies)
+
+    def tickets(self) -> list[LoadTicket]:
+        """Every ticket on the lane, whatever its stage."""
+        out = self.waiting + self.get_queue + self.push_queue + [t for t, _ in self.read_queue]
+        for batch in self.by_req.values():
+            out.extend(batch)
+        return out + list(self.pushed.values())
+
+
+def _by_reader(tickets: list[LoadTicket]) -> dict[tuple[int, int], list[LoadTicket]]:
+    out: dict[tuple[int, int], list[LoadTicket]] = {}
+    for t in tickets:
+        out.setdefault((t.ref.reader, t.ref.readers), []).append(t)
+    return out
+
+
+class Loader:
+    """Tickets and their transfers. Public calls (any thread): ``load``, ``cancel``; everything else
+    runs on the owner thread. Never hands over an item before its bytes landed."""
+
+    def __init__(self, cfg: EndpointConfig, pool: Pool, transport: Transport, metrics: Metrics,
+                 loop: OwnerLoop, links: Links):
+        self.cfg, self.pool, self.transport, self.metrics, self.loop, self.links = \
+            cfg, pool, transport, metrics, loop, links
+        self._lanes: dict[Link, _Lane] = {}
+        self._reads: list[LoadTicket] = []  # READs in flight
+        self._retry: list[LoadTicket] = []  # waiting for pool space or a NOT_READY retry
+        self._zombies: list[tuple[Xfer, Slot]] = []  # transfers NIXL could not cancel yet
+        self._settle: list[tuple[Xfer, list[LoadTicket]]] = []  # landed requests to settle
+        links.listener = self
+        loop.every_round(self.poll)
+        loop.every_tick(self.tick)
+        loop.at_round_end(self.flush)
+        loop.idle_hint(self._idle_hint)
+
+    # --- public (any thread) ---------------------------------------------------------
+
+    def load(self, refs: Iterable[ItemRef], timeout: Optional[float] = None) -> list[LoadTicket]:
+        """Start loading ``refs``; returns one ticket each at once (see ``LoadBarrier``)."""
+        deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.load_timeout_s)
+        tickets = [LoadTicket(r, deadline, self.pool) for r in refs]
+        for t in tickets:
+            try:
+                P.validate_item(t.ref.desc)
+                split_address(t.ref.producer)
+            except ECNixlError as e:
+                self.fail(t, str(e), "BAD_REQUEST")
+        good = [t for t in tickets if t.pending]
+        if not good:
+            return tickets
+        if self.loop.is_owner:
+            # The caller drives the endpoint: dispatch and post now, not at the end of a round.
+            self._start(good)
+            self.flush()
+        else:
+            self.loop.call(lambda: self._start(good))
+        return tickets
+
+    def cancel(self, tickets: list[LoadTicket], why: str = "cancelled by the caller") -> None:
+        """Fail every still-pending ticket now (slots of possibly running DMAs go to quarantine)."""
+        pending = [t for t in tickets if t.pending]
+        if not pending:
+            return
+
+        def cancel_now():
+            for t in pending:
+                self.fail(t, f"item {t.mm_hash} from {t.ref.producer}: {why} (was in phase '{t.phase}')",
+                          "CANCELLED", retryable=t.phase is not Phase.READ)
+
+        self.loop.call(cancel_now)
+        self.loop.wait_for(lambda: all(t.done for t in pending), 2.0)
+
+    # --- the one failure path --------------------------------------------------------
+
+    def fail(self, t: LoadTicket, error: str, reason: str, retryable: bool = False, settled: bool = False) -> None:
+        """Fail a pending ticket and decide its slot's fate.
+
+        ``settled``: the caller knows no transfer can touch the slot any more (e.g. the producer
+        reported its WRITE failed). Otherwise a ticket in a DMA phase keeps its slot out of use:
+        a READ that NIXL cannot cancel yet stays with its request (``_zombies``); a cancelled one,
+        or a push target of a producer we can no longer reach, goes to quarantine; a push target
+        of a reachable producer waits for its CancelAck.
+        """
+        if not t.pending:
+            return
+        slot, t.slot = t.slot, None
+        if slot is not None:
+            if settled or t.phase not in IN_DMA:
+                self.pool.release(slot)
+            elif t.phase is Phase.READ:
+                self.metrics.count("failed_transfers")
+                x, t.xfer = t.xfer, None
+                if x is not None and not self.transport.release(x):
+                    self._zombies.append((x, slot))
+                else:
+                    self._quarantine(slot, reason)
+            else:  # PUSH
+                link = self.links.find(t.ref.producer)
+                lane = self._lanes.get(link) if link is not None else None
+                if lane is not None and link.state is LinkState.READY:
+                    lane.pushed.pop(t.mm_hash, None)
+                    lane.zombies.append((slot, time.monotonic() + self.cfg.quarantine_s))
+                    self.metrics.count("quarantined")
+                    self.links.send(link, P.Cancel(session=link.session, req=self.links.next_req(),
+                                                   mm_hashes=[t.mm_hash]))
+                else:
+                    self._quarantine(slot, reason)
+        t.fail(error, reason, retryable)
+        self.metrics.count("loads_failed")
+        self.metrics.fail(reason)
+        self.loop.changed()
+
+    def _quarantine(self, slot: Slot, reason: str) -> None:
+        self.pool.quarantine(slot, self.cfg.quarantine_s, reason=reason)
+        self.metrics.count("quarantined")
+
+    # --- dispatch (owner thread) -----------------------------------------------------
+
+    def _start(self, tickets: list[LoadTicket]) -> None:
+        for t in tickets:
+            if not t.pending:
+                continue
+            link = self.links.get(t.ref.producer)
+            self.links.wake(link)
+            if link.state is LinkState.FAILED:
+                self.fail(t, link.error, link.reason or "UNREACHABLE")
+            elif link.state is LinkState.CONNECTING:
+                t.enter(Phase.CONNECTING)
+                self._lane(link).waiting.append(t)
+            else:
+                self._dispatch(link, t)
+
+    def _lane(self, link: Link) -> _Lane:
+        lane = self._lanes.get(link)
+        if lane is None:
+            lane = self._lanes[link] = _Lane()
+        return lane
+
+    def _dispatch(self, link: Link, t: LoadTicket) -> None:
+        """Reserve the slot and ask for the item the way this link prefers."""
+        if t.slot is None:
+            try:
+                t.slot = self.pool.allocate(t.ref.desc.nbytes, tag=t.mm_hash)
+            except ItemTooLarge as e:
+                return self.fail(t, str(e), "TOO_LARGE")
+            except PoolExhausted as e:
+                t.enter(Phase.POOL)
+                t.error = str(e)
+                self._retry.append(t)
+                return
+        t.mode = link.mode
+        lane = self._lane(link)
+        if link.mode == "write":
+            t.enter(Phase.PUSH)
+            lane.push_queue.append(t)
+        elif t.ref.block >= 0 and time.time() < t.ref.valid_until and \
+                t.ref.incarnation in ("", link.incarnation):
+            t.enter(Phase.READ_QUEUED)
+            lane.read_queue.append((t, t.ref.block))
+        else:
+            t.enter(Phase.GRANT)
+            lane.get_queue.append(t)
+
+    def flush(self) -> None:
+        """Post this round's READs and send its Get and Push batches: one per producer and reader."""
+        for link, lane in list(self._lanes.items()):
+            if link.state is not LinkState.READY or not (lane.get_queue or lane.push_queue or lane.read_queue):
+                continue
+            if lane.read_queue:
+                self._post_reads(link, lane)
+            gets, lane.get_queue = lane.get_queue, []
+            for (reader, readers), batch in _by_reader(gets).items():
+                req = self.links.next_req()
+                lane.by_req[req] = batch
+                self.links.send(link, P.Get(session=link.session, req=req, mm_hashes=[t.mm_hash for t in batch],
+                                            reader=reader, readers=readers))
+            pushes, lane.push_queue = lane.push_queue, []
+            for (reader, readers), batch in _by_reader(pushes).items():
+                for t in batch:
+                    lane.pushed[t.mm_hash] = t
+                    t.t_post = time.perf_counter()
+                self.links.send(link, P.Push(session=link.session, req=self.links.next_req(), reader=reader,
+                                             readers=readers,
+                                             items=[P.PushItem(mm_hash=t.mm_hash, block=t.slot.block,
+                                                               nbytes=t.ref.desc.nbytes) for t in batch]))
+
+    def _post_reads(self, link: Link, lane: _Lane) -> None:
+        # No notification rides the READ: NIXL would report DONE only once the producer's side
+        # has taken it, which needs the producer's progress. A ReadDone message is sent after
+        # DONE instead (settle), off the hand-over.
+        batch = [(t, b) for t, b in lane.read_queue if t.pending]
+        lane.read_queue = []
+        if not batch:
+            return
+        t_post = time.perf_counter()
+        try:
+            x = self.transport.post_many("READ", link.peer, [(t.slot.block, b, self.pool.blocks_for(t.ref.desc.nbytes))
+                                                             for t, b in batch])
+        except TransferFailed as e:
+            for t, _ in batch:
+                self.fail(t, str(e), e.reason)
+            return
+        for t, _ in batch:
+            t.xfer, t.t_post = x, t_post
+            t.enter(Phase.READ)
+            self._reads.append(t)
+
+    # --- the waiter drives its own transfers (owner thread) ----------------------------
+
+    def drive(self, tickets: list[LoadTicket], deadline: float, settle: bool = True) -> bool:
+        """Wait for ``tickets`` as their owner: poll their READs in a tight loop and run a full
+        round of the loop (messages, timers, other work) only when something else is needed or
+        every ``ROUND_EVERY_S``. True when all are done, False at ``deadline`` (monotonic).
+
+        This is the hot path of a consumer that drives its own endpoint (vLLM's PD worker): no
+        thread hand-off, no socket poll between a READ's completion and its hand-over.
+        ``settle=False`` leaves the after-completion work to the caller's next round.
+        """
+        last_round = time.monotonic()
+        while True:
+            pending = [t for t in tickets if t.pending]
+            if not pending:
+                if settle:
+                    self.settle()
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            if all(t.phase is Phase.READ for t in pending) and now - last_round < ROUND_EVERY_S:
+                self._poll_xfers({id(t.xfer): t.xfer for t in pending})
+            else:
+                self.loop.progress(0.0)
+                last_round = now
+
+    # --- link events (owner thread) --------------------------------------------------
+
+    def has_work(self, link: Link) -> bool:
+        """Work that needs the producer's control plane (READs in flight do not: NIXL completes them)."""
+        return bool(self._lanes.get(link))
+
+    def on_ready(self, link: Link) -> None:
+        lane = self._lanes.get(link)
+        if lane is None:
+            return
+        waiting, lane.waiting = lane.waiting, []
+        for t in waiting:
+            if t.pending:
+                self._dispatch(link, t)
+
+    def on_down(self, link: Link, error: str, reason: str) -> None:
+        """Fail everything that depends on ``link`` (DMA targets are kept out of use by ``fail``)."""
+        for t in list(self._reads):
+            if t.pending and t.ref.producer == link.address:
+                self.fail(t, error, reason)
+        lane = self._lanes.get(link)
+        if lane is None:
+            return
+        for t in lane.tickets():
+            self.fail(t, error, reason)
+        lane.waiting, lane.get_queue, lane.push_queue, lane.read_queue = [], [], [], []
+        lane.by_req.clear()
+        lane.pushed.clear()
+        for slot, _ in lane.zombies:
+            self.pool.quarantine(slot, self.cfg.quarantine_s, reason=reason)
+        lane.zombies = []
+
+    def on_dropped(self, link: Link) -> None:
+        self._lanes.pop(link, None)
+
+    def on_reply(self, link: Link, msg) -> None:
+        lane = self._lane(link)
+        if isinstance(msg, P.Grant):
+            return self._on_grant(link, lane, msg)
+        if isinstance(msg, P.Refused):
+            for t in lane.by_req.pop(msg.req, []):
+                self.fail(t, f"{msg.reason}: {msg.detail}", msg.reason)
+            return
+        if isinstance(msg, P.PushFailed):
+            for s in msg.items:
+                t = lane.pushed.pop(s.mm_hash, None)
+                if t is not None:
+                    self.fail(t, f"producer could not push: {s.status}: {s.detail}", s.status,
+                              retryable=s.status in _RETRYABLE, settled=True)
+            return
+        if isinstance(msg, P.CancelAck):
+            safe = set(msg.safe)
+            keep = []
+            for slot, until in lane.zombies:
+                if slot.tag in safe:
+                    self.pool.quarantine(slot, 0.0)
+                else:
+                    keep.append((slot, until))
+            lane.zombies = keep
+            return
+        if isinstance(msg, P.StatsReply):
+            return  # a late answer to a query that already timed out
+        logger.warning("unexpected %s from producer %s", type(msg).__name__, link.address)
+
+    def _on_grant(self, link: Link, lane: _Lane, msg: P.Grant) -> None:
+        batch = lane.by_req.pop(msg.req, None)
+        if batch is None:
+            return  # a late answer for tickets already failed
+        by_hash = {t.mm_hash: t for t in batch}
+        for s in msg.items:
+            t = by_hash.pop(s.mm_hash, None)
+            if t is None or not t.pending:
+                continue
+            if s.status == "ready":
+                try:
+                    P.validate_state_matches(s, t.ref.desc, link.peer.arena)
+                except ECNixlError as e:
+                    self.fail(t, str(e), "BAD_GRANT")
+                    continue
+                t.enter(Phase.READ_QUEUED)
+                lane.read_queue.append((t, s.block))
+            elif s.status in _RETRYABLE:
+                self.metrics.count("retries")
+                t.enter(Phase.GRANT)
+                t.retry_at = time.monotonic() + 0.0005
+                self._retry.append(t)
+            else:
+                self.metrics.count("nacks")
+                self.fail(t, f"{s.status}: {s.detail}", s.status)
+        for t in by_hash.values():
+            self.fail(t, "producer's grant left this item out", "BAD_GRANT")
+
+    def on_write_done(self, agent: str, sid: str, mm_hashes: list[str]) -> None:
+        """A producer's WRITE into our pool finished: those items landed."""
+        link = self.links.by_session(sid)
+        lane = self._lanes.get(link) if link is not None else None
+        if lane is None or link.name != agent:
+            return
+        for mm_hash in mm_hashes:
+            t = lane.pushed.pop(mm_hash, None)
+            if t is not None and t.pending:
+                # the producer timed the WRITE; we see post -> notification
+                self._landed(t, nbytes=t.ref.desc.nbytes)
+
+    # --- completions (owner thread) --------------------------------------------------
+
+    def poll(self) -> None:
+        """Finish the READs NIXL reports done, then settle their requests (every round)."""
+        if self._reads:
+            self._poll_xfers({id(t.xfer): t.xfer for t in self._reads if t.pending})
+        if self._settle:
+            self.settle()
+
+    def _poll_xfers(self, xfers: dict[int, Xfer]) -> None:
+        """Poll these requests; land the tickets of each that is DONE (at once: nothing else
+        stands between completion and hand-over) and fail those of each that erred."""
+        finished: set[int] = set()
+        for key, x in xfers.items():
+            st = self.transport.poll(x)
+            if st != "PROC":
+                finished.add(key)
+        if not finished:
+            return
+        still: list[LoadTicket] = []
+        done: dict[int, tuple[Xfer, list[LoadTicket]]] = {}
+        for t in self._reads:
+            if not t.pending:
+                continue
+            if id(t.xfer) not in finished:
+                still.append(t)
+            elif t.xfer.state == "DONE":
+                done.setdefault(id(t.xfer), (t.xfer, []))[1].append(t)
+            else:
+                self.fail(t, f"READ from {t.ref.producer} failed (NIXL ERR)", "XFER_ERR")
+        self._reads = still
+        for x, landed in done.values():
+            for t in landed:
+                t.xfer = None
+                self._landed(t)
+            self._settle.append((x, landed))
+
+    def settle(self) -> None:
+        """After-completion work kept off the hand-over: telemetry, releasing the request, and
+        telling each producer its readers are done (it frees the items then)."""
+        settle, self._settle = self._settle, []
+        for x, tickets in settle:
+            self._record(x, tickets[0].t_post)
+            self._notify_read(tickets)
+
+    def _record(self, x: Xfer, t_post: float) -> None:
+        """Telemetry of one finished request (all its items), then release it."""
+        tel = self.transport.telemetry(x)
+        self.transport.release(x)
+        if tel is not None:
+            self.metrics.transfer(x.nbytes, tel[0] * 1e-6, tel[1] * 1e-6, tel[3])
+        else:
+            self.metrics.transfer(x.nbytes, 0.0, time.perf_counter() - t_post)
+
+    def _notify_read(self, tickets: list[LoadTicket]) -> None:
+        """Tell the producer these readers are done with the items (it frees each after all readers)."""
+        link = self.links.find(tickets[0].ref.producer)
+        if link is None or link.state is not LinkState.READY:
+            return  # producer gone: its lease expiry frees the items
+        by_reader: dict[int, list[str]] = {}
+        for t in tickets:
+            by_reader.setdefault(t.ref.reader, []).append(t.mm_hash)
+        for reader, hashes in by_reader.items():
+            self.links.send(link, P.ReadDone(session=link.session, mm_hashes=hashes, reader=reader))
+
+    def _landed(self, t: LoadTicket, nbytes: int = 0) -> None:
+        """The item's bytes are in our pool (READ done, or the producer's WRITE notification)."""
+        t.land()
+        if nbytes:
+            self.metrics.transfer(nbytes, 0.0, t.t_done - t.t_post)
+        self.metrics.count("loads_landed")
+        self.loop.changed()
+
+    # --- timers (owner thread) -------------------------------------------------------
+
+    def _timeout_msg(self, t: LoadTicket) -> str:
+        waited = time.perf_counter() - t.t_start
+        return (f"item {t.mm_hash} from {t.ref.producer} not landed after {waited:.2f}s "
+                f"(stuck in phase '{t.phase}')")
+
+    def tick(self, now: float) -> None:
+        """Deadlines, retries, push cancellations and transfer zombies."""
+        for link, lane in list(self._lanes.items()):
+            if link.state is not LinkState.READY:
+                continue
+            for req, batch in list(lane.by_req.items()):
+                if all(not t.pending for t in batch):
+                    del lane.by_req[req]
+                    continue
+                for t in batch:
+                    if now >= t.deadline:
+                        self.fail(t, self._timeout_msg(t), "TIMEOUT", retryable=True)
+            for h, t in list(lane.pushed.items()):
+                if not t.pending:
+                    lane.pushed.pop(h, None)
+                elif now >= t.deadline:
+                    self.fail(t, self._timeout_msg(t), "TIMEOUT", retryable=True)
+            if lane.zombies:
+                keep = []
+                for slot, until in lane.zombies:
+                    if now >= until + self.cfg.quarantine_s:
+                        self.pool.quarantine(slot, 0.0)  # no ack for long: producer must be gone
+                    else:
+                        keep.append((slot, until))
+                lane.zombies = keep
+        for t in self._reads:
+            if t.pending and now >= t.deadline:
+                self.fail(t, self._timeout_msg(t), "TIMEOUT")
+        if self._retry:
+            retry, self._retry = self._retry, []
+            for t in retry:
+                if not t.pending:
+                    continue
+                if now >= t.deadline:
+                    self.fail(t, self._timeout_msg(t), "TIMEOUT", retryable=True)
+                elif now < t.retry_at:
+                    self._retry.append(t)
+                else:
+                    link = self.links.find(t.ref.producer)
+                    if link is None or link.state is not LinkState.READY:
+                        self.fail(t, f"producer {t.ref.producer} lost", "PEER_LOST")
+                    else:
+                        self._dispatch(link, t)
+        for lane in self._lanes.values():
+            for t in lane.waiting:
+                if t.pending and now >= t.deadline:
+                    self.fail(t, self._timeout_msg(t), "TIMEOUT", retryable=True)
+            lane.waiting = [t for t in lane.waiting if t.pending]
+        if self._zombies:
+            keep = []
+            for x, slot in self._zombies:
+                if self.transport.release(x):
+                    self.pool.quarantine(slot, self.cfg.quarantine_s, reason="ZOMBIE")
+                else:
+                    keep.append((x, slot))
+            self._zombies = keep
+
+    def _idle_hint(self) -> Optional[float]:
+        if self._reads:
+            return 0.0
+        return 0.001 if self._retry else None

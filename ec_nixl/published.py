@@ -1,0 +1,376 @@
+"""The producer's table of published items: what is pinned, for whom, until when.
+
+``publish`` pins encoder outputs in the registered pool (one pack per step, or zero-copy when
+written in place through ``reserve``). Each ``Item`` then records who declared interest (consumer
+groups and how many readers each), who holds a READ grant (pins), which pushes use it, and its
+lease. An item is freed when every reader of every interested group is done, when its lease
+ends, or when it is unpublished — and never while a grant or push still uses its slot.
+
+The table is shared: caller threads publish, the owner thread serves. One lock guards it; no
+NIXL or socket call is made under it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+
+from ec_nixl import protocol as P
+from ec_nixl.config import EndpointConfig
+from ec_nixl.errors import ConfigError, ProtocolError
+from ec_nixl.metrics import Metrics
+from ec_nixl.pool import Fence, Pool, Slot
+from ec_nixl.states import PUSH_NEXT, PushState, advance
+from ec_nixl.tensors import Both, describe, dtype_name
+
+logger = logging.getLogger("ec_nixl")
+
+
+class Push:
+    """One consumer reader's request that we WRITE an item into its slot ``block``."""
+
+    __slots__ = ("session", "reader", "block", "nbytes", "req", "xfer", "state")
+
+    def __init__(self, session: str, reader: int, block: int, nbytes: int, req: int):
+        self.session = session
+        self.reader = reader
+        self.block = block
+        self.nbytes = nbytes
+        self.req = req
+        self.xfer = None
+        self.state = PushState.QUEUED
+
+    def posted(self, xfer) -> None:
+        self.xfer = xfer
+        self.state = advance(self.state, PushState.POSTED, PUSH_NEXT)
+
+
+class Item:
+    """One published item and everything that keeps it alive."""
+
+    __slots__ = ("desc", "slot", "ready", "expires_at", "interest", "done", "pins", "pushes", "held",
+                 "t_pub")
+
+    def __init__(self, desc: P.ItemDesc, slot: Slot, ready: Optional[Fence], lease_s: float):
+        self.desc = desc
+        self.slot = slot
+        self.ready = ready
+        self.t_pub = time.monotonic()
+        self.expires_at = self.t_pub + lease_s
+        self.interest: dict[str, int] = {}  # consumer group -> readers expected
+        self.done: dict[str, set[int]] = {}  # consumer group -> readers that finished
+        self.pins: dict[tuple[str, int], float] = {}  # (session, reader) -> pin expiry
+        self.pushes: dict[tuple[str, int], Push] = {}
+        self.held = False
+
+    def is_ready(self) -> bool:
+        if self.ready is None:
+            return True
+        if self.ready.query():
+            self.ready = None
+            return True
+        return False
+
+    def satisfied(self) -> bool:
+        """Every group that declared interest has had all its readers read the item."""
+        return bool(self.interest) and all(
+            len(self.done.get(s, ())) >= n for s, n in self.interest.items()
+        )
+
+    def busy(self) -> bool:
+        return bool(self.pins or self.pushes)
+
+    @property
+    def withdrawn(self) -> bool:
+        return self.expires_at <= 0.0
+
+
+class Published:
+    """The items table. Public calls (any thread): ``publish``/``publish_many``, ``reserve``/
+    ``publish_slot``, ``unpublish``, ``hashes``; the rest is for the server (owner thread)."""
+
+    def __init__(self, cfg: EndpointConfig, pool: Pool, metrics: Metrics):
+        self.cfg, self.pool, self.metrics = cfg, pool, metrics
+        self._lock = threading.Lock()
+        self._items: dict[str, Item] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def hashes(self) -> list[str]:
+        with self._lock:
+            return list(self._items)
+
+    # --- publishing (any thread) -----------------------------------------------------
+
+    def publish_many(self, items: list[tuple[str, torch.Tensor]], ready: Optional[Fence] = None) -> list[P.ItemDesc]:
+        """Pin a step's encoder outputs for transfer; returns their descriptions.
+
+        A tensor that starts a pool slot (written there through ``reserve()``) is adopted as is,
+        taking a hold on its slot. All others are copied into new slots by ONE ``native.pack``
+        (a single kernel launch on CUDA, on the current stream, guarded by one event: the copy
+        never blocks the host), each counted as a staging copy. Publishing a hash that is already
+        published only renews its lease. On error nothing of the batch stays allocated.
+        """
+        pool = self.pool
+        descs: list[P.ItemDesc] = []
+        copies: list[tuple[P.ItemDesc, Slot, torch.Tensor]] = []
+        seen: dict[str, P.ItemDesc] = {}
+        try:
+            for mm_hash, tensor in items:
+                if mm_hash in seen:
+                    descs.append(seen[mm_hash])
+                    continue
+                desc = describe(mm_hash, tensor)
+                P.validate_item(desc)
+                with self._lock:
+                    item = self._items.get(mm_hash)
+                    if item is not None:
+                        item.expires_at = max(item.expires_at, time.monotonic() + self.cfg.announce_lease_s)
+                        desc = item.desc
+                if item is None:
+                    if tensor.device != pool.arena.device:
+                        raise ConfigError(f"item {mm_hash} is on {tensor.device}, the pool on {pool.arena.device}")
+                    tensor = tensor.contiguous()
+                    slot = pool.slot_at(tensor.data_ptr()) if pool.arena.contains(tensor) else None
+                    if slot is not None:  # written straight into the pool (see reserve()): no copy
+                        pool.hold(slot)
+                        self._add(desc, slot, ready)
+                    else:
+                        slot = pool.allocate(desc.nbytes, tag=mm_hash, evict=self._evictor())
+                        copies.append((desc, slot, tensor.reshape(-1).view(torch.uint8)))
+                seen[mm_hash] = desc
+                descs.append(desc)
+            if copies:
+                from ec_nixl import native
+
+                native.pack([c[2] for c in copies], pool.arena.bytes, [c[1].offset for c in copies])
+                fence = ready
+                if pool.arena.device.type == "cuda":
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    fence = Both(ready, ev) if ready is not None else ev
+        except Exception:
+            for _, slot, _ in copies:
+                pool.release(slot)
+            raise
+        for desc, slot, _ in copies:
+            self._add(desc, slot, fence)
+            self.metrics.count("staging_copies")
+            self.metrics.count("staging_bytes", desc.nbytes)
+        return descs
+
+    def reserve(self, nbytes: int, tag: str = "") -> Slot:
+        """A pool slot to write an item into directly (zero-copy publish with ``publish_slot``)."""
+        return self.pool.allocate(nbytes, tag=tag, evict=self._evictor())
+
+    def publish_slot(self, mm_hash: str, slot: Slot, shape, dtype: torch.dtype,
+                     ready: Optional[Fence] = None) -> P.ItemDesc:
+        """Publish bytes already written (or being written: ``ready``) into ``slot``; no copy."""
+        desc = P.ItemDesc(mm_hash=mm_hash, shape=list(shape), dtype=dtype_name(dtype),
+                          nbytes=int(torch.Size(shape).numel()) * P.DTYPE_SIZES[dtype_name(dtype)])
+        P.validate_item(desc)
+        if desc.nbytes > slot.nblocks * self.pool.block_size:
+            raise ProtocolError(f"item {mm_hash} of {desc.nbytes} B does not fit its slot of {slot.nbytes} B")
+        with self._lock:
+            if mm_hash in self._items:
+                raise ProtocolError(f"item {mm_hash} is already published")
+        self._add(desc, slot, ready)
+        return desc
+
+    def unpublish(self, mm_hash: str) -> bool:
+        """Drop an item now unless a transfer is using it (then it goes when that ends)."""
+        with self._lock:
+            item = self._items.get(mm_hash)
+            if item is None:
+                return False
+            item.expires_at = 0.0
+            item.interest.clear()
+            if item.busy():
+                return True
+            del self._items[mm_hash]
+        self.pool.release(item.slot)
+        return True
+
+    def _add(self, desc: P.ItemDesc, slot: Slot, ready: Optional[Fence]) -> None:
+        with self._lock:
+            self._items[desc.mm_hash] = Item(desc, slot, ready, self.cfg.announce_lease_s)
+        self.metrics.count("published")
+
+    def _evictor(self) -> Optional[Callable[[int], int]]:
+        return self._evict if self.cfg.evict_unclaimed else None
+
+    def _evict(self, nbytes: int) -> int:
+        """Drop published items nobody has held or pinned, oldest first, until ``nbytes`` fit."""
+        freed = 0
+        victims = []
+        with self._lock:
+            for h, item in sorted(self._items.items(), key=lambda kv: kv[1].t_pub):
+                if freed >= nbytes:
+                    break
+                if not item.held and not item.busy():
+                    victims.append(item)
+                    freed += item.slot.nblocks * self.pool.block_size
+                    del self._items[h]
+        for item in victims:
+            logger.info("evicting unclaimed item %s (%d B) to make room", item.desc.mm_hash, item.desc.nbytes)
+            self.pool.release(item.slot)
+        return len(victims)
+
+    # --- serving (owner thread) ------------------------------------------------------
+
+    def _missing(self, mm_hash: str) -> P.ItemState:
+        return P.ItemState(mm_hash=mm_hash, status=P.Nack.MISSING.value,
+                           detail=f"{self.cfg.name} does not hold {mm_hash}")
+
+    def _claim(self, item: Item, group: str, readers: int, now: float) -> None:
+        """A consumer group wants ``item``: it stays until that group's readers are done."""
+        item.held = True
+        item.interest[group] = max(item.interest.get(group, 1), readers)
+        item.expires_at = max(item.expires_at, now + self.cfg.announce_lease_s)
+
+    def grant(self, sid: str, group: str, mm_hashes: list[str], readers: int, reader: int,
+              pin: bool) -> list[P.ItemState]:
+        """Answer a Hold (``pin=False``: lease + where) or a Get (``pin=True``: a READ grant)."""
+        now = time.monotonic()
+        out = []
+        with self._lock:
+            for h in mm_hashes:
+                item = self._items.get(h)
+                if item is None or item.withdrawn:
+                    out.append(self._missing(h))
+                    continue
+                self._claim(item, group, readers, now)
+                if not item.is_ready():
+                    out.append(P.ItemState(mm_hash=h, status=P.Nack.NOT_READY.value, detail="still being written"))
+                    continue
+                if pin:
+                    item.pins[(sid, reader)] = now + self.cfg.grant_lease_s
+                d = item.desc
+                out.append(P.ItemState(mm_hash=h, status="ready", block=item.slot.block, nbytes=d.nbytes,
+                                       shape=d.shape, dtype=d.dtype, lease_s=item.expires_at - now))
+        return out
+
+    def claim_pushes(self, sid: str, group: str, arena: P.ArenaInfo,
+                     msg: P.Push) -> tuple[list[tuple[Item, Push]], list[P.ItemState]]:
+        """Record a Push request: the new pushes to post, and the items refused (with why)."""
+        now = time.monotonic()
+        accepted, failed = [], []
+        with self._lock:
+            for it in msg.items:
+                item = self._items.get(it.mm_hash)
+                if item is None or item.withdrawn:
+                    failed.append(self._missing(it.mm_hash))
+                    continue
+                n = P.blocks_for(item.desc.nbytes, arena.block)
+                if it.nbytes != item.desc.nbytes:
+                    failed.append(P.ItemState(mm_hash=it.mm_hash, status=P.Nack.BAD_REQUEST.value,
+                                              detail=f"asked for {it.nbytes} B, item has {item.desc.nbytes} B"))
+                    continue
+                if it.block < 0 or (it.block + n) * arena.block > arena.size:
+                    failed.append(P.ItemState(mm_hash=it.mm_hash, status=P.Nack.BAD_REQUEST.value,
+                                              detail=f"destination block {it.block} outside your arena"))
+                    continue
+                self._claim(item, group, max(1, msg.readers), now)
+                old = item.pushes.get((sid, msg.reader))
+                if old is not None and old.state is PushState.POSTED:
+                    failed.append(P.ItemState(mm_hash=it.mm_hash, status=P.Nack.BUSY.value,
+                                              detail="a push to this reader is still in flight"))
+                    continue
+                push = Push(sid, msg.reader, it.block, item.desc.nbytes, msg.req)
+                item.pushes[(sid, msg.reader)] = push
+                accepted.append((item, push))
+        return accepted, failed
+
+    def push_ended(self, item: Item, push: Push, group: Optional[str]) -> None:
+        """A push finished (``group``: the reader's group when it succeeded, else None)."""
+        with self._lock:
+            item.pushes.pop((push.session, push.reader), None)
+            if group is not None:
+                item.done.setdefault(group, set()).add(push.reader)
+        self.maybe_free(item)
+
+    def cancel_pushes(self, sid: str, mm_hashes: list[str],
+                      still_running: Callable[[Push], bool]) -> tuple[list[str], list[str]]:
+        """Drop a session's pushes of these items: (safe, in_flight) by whether a WRITE may still run."""
+        safe, in_flight = [], []
+        with self._lock:
+            for h in mm_hashes:
+                item = self._items.get(h)
+                pushes = [] if item is None else [p for k, p in item.pushes.items() if k[0] == sid]
+                busy = False
+                for p in pushes:
+                    if still_running(p):
+                        busy = True
+                        continue
+                    item.pushes.pop((sid, p.reader), None)
+                (in_flight if busy else safe).append(h)
+        return safe, in_flight
+
+    def read_done(self, sid: str, group: str, mm_hashes: list[str], reader: int) -> None:
+        """A consumer's reader finished READing these items: free each once all readers did."""
+        for mm_hash in mm_hashes:
+            with self._lock:
+                item = self._items.get(mm_hash)
+                if item is None:
+                    continue
+                item.pins.pop((sid, reader), None)
+                item.done.setdefault(group, set()).add(reader)
+            self.maybe_free(item)
+
+    def drop_session(self, sid: str, group: str, group_left: bool) -> None:
+        """A session ended: its pins go, and its group's interest unless the group lives on."""
+        with self._lock:
+            items = list(self._items.values())
+            for item in items:
+                if not group_left:
+                    item.interest.pop(group, None)
+                for k in [k for k in item.pins if k[0] == sid]:
+                    del item.pins[k]
+        for item in items:
+            self.maybe_free(item)
+
+    def maybe_free(self, item: Item) -> None:
+        with self._lock:
+            if item.busy():
+                return
+            gone = item.withdrawn or (self.cfg.free_when_consumed and item.satisfied())
+            if not gone or self._items.get(item.desc.mm_hash) is not item:
+                return
+            del self._items[item.desc.mm_hash]
+        self.pool.release(item.slot)
+
+    def expire(self, now: float) -> None:
+        """End pins and leases that ran out (items nobody read are counted, then freed)."""
+        if not self._items:
+            return
+        expired = []
+        with self._lock:
+            for item in self._items.values():
+                for k, until in list(item.pins.items()):
+                    if now >= until:
+                        del item.pins[k]
+                        self.metrics.count("expired_pins")
+                if now >= item.expires_at and not item.busy():
+                    expired.append(item)
+            for item in expired:
+                del self._items[item.desc.mm_hash]
+        for item in expired:
+            if not item.satisfied():
+                self.metrics.count("expired_leases")
+                logger.info("ec-nixl: lease of %s expired unread", item.desc.mm_hash)
+            self.pool.release(item.slot)
+
+    def inspect(self) -> dict[str, dict]:
+        """What keeps each item alive, as plain data (for status output and test messages)."""
+        now = time.monotonic()
+        with self._lock:
+            return {h: {"pins": {f"{k[0]}/{k[1]}": round(v - now, 3) for k, v in it.pins.items()},
+                        "pushes": len(it.pushes), "interest": dict(it.interest),
+                        "done": {g: sorted(r) for g, r in it.done.items()},
+                        "lease_left": round(it.expires_at - now, 3)} for h, it in self._items.items()}

@@ -1,0 +1,106 @@
+"""Pushing items: the producer WRITEs into consumers' reserved slots.
+
+A consumer whose link prefers WRITE sends ``Push`` (its slot per item); the server records it in
+the items table and hands it here. Each round, the pusher posts one NIXL WRITE per consumer
+session and reader carrying every ready item (the notification names them all, so the consumer
+lands the batch at once), then polls posted WRITEs and ends each push in the table: done for the
+reader, or failed with a ``PushFailed`` reply. A WRITE that NIXL cannot release yet stays polled.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from ec_nixl import protocol as P
+from ec_nixl.errors import TransferFailed
+from ec_nixl.handshake import Session
+from ec_nixl.loop import OwnerLoop
+from ec_nixl.metrics import Metrics
+from ec_nixl.published import Item, Published, Push
+from ec_nixl.states import PushState
+from ec_nixl.transport import Transport
+
+
+class Pusher:
+    """The producer's WRITE queue (owner thread only)."""
+
+    def __init__(self, published: Published, transport: Transport, metrics: Metrics, loop: OwnerLoop,
+                 session: Callable[[str], Optional[Session]], reply: Callable[[bytes, object], None]):
+        self.published, self.transport, self.metrics = published, transport, metrics
+        self._session, self._reply = session, reply
+        self._active: list[tuple[Item, Push]] = []
+        loop.every_round(self.poll)
+        loop.idle_hint(lambda: 0.0 if self._active else None)
+
+    def add(self, pushes: list[tuple[Item, Push]]) -> None:
+        self._active.extend(pushes)
+        self.poll()
+
+    def active(self) -> list[tuple[str, str]]:
+        """(mm_hash, state) of every push being worked on (for status and tests)."""
+        return [(item.desc.mm_hash, str(push.state)) for item, push in self._active]
+
+    def still_running(self, push: Push) -> bool:
+        """A posted WRITE that NIXL reports in progress and will not cancel."""
+        return (push.state is PushState.POSTED and push.xfer is not None
+                and self.transport.poll(push.xfer) == "PROC" and not self.transport.release(push.xfer))
+
+    def _current(self, item: Item, push: Push) -> bool:
+        return item.pushes.get((push.session, push.reader)) is push
+
+    def poll(self) -> None:
+        """Post queued pushes whose item is ready; finish the ones NIXL reports done."""
+        if not self._active:
+            return
+        groups: dict[tuple[str, int], list[tuple[Item, Push]]] = {}
+        for item, push in self._active:
+            if push.state is PushState.QUEUED and self._current(item, push) \
+                    and self._session(push.session) is not None and item.is_ready():
+                groups.setdefault((push.session, push.reader), []).append((item, push))
+        for (sid, reader), batch in groups.items():
+            s = self._session(sid)
+            notif = P.encode_notif(P.NOTIF_WRITE_DONE, sid, [it.desc.mm_hash for it, _ in batch], reader)
+            try:
+                x = self.transport.post_many("WRITE", s.peer, [(it.slot.block, p.block, it.slot.nblocks)
+                                                               for it, p in batch], notif)
+            except TransferFailed as e:
+                for it, p in batch:
+                    self._failed(s, it, p, str(e))
+                continue
+            for _, p in batch:
+                p.posted(x)
+        still = []
+        for item, push in self._active:
+            s = self._session(push.session)
+            if not self._current(item, push):
+                continue  # cancelled, failed or done
+            if s is None:
+                self.published.push_ended(item, push, None)
+                continue
+            if push.state is PushState.QUEUED:
+                still.append((item, push))
+                continue
+            x = push.xfer
+            st = self.transport.poll(x)
+            if st == "PROC":
+                still.append((item, push))
+            elif st == "DONE":
+                if not x.released:
+                    tel = self.transport.telemetry(x)
+                    self.transport.release(x)
+                    if tel is not None:
+                        self.metrics.transfer(x.nbytes, tel[0] * 1e-6, tel[1] * 1e-6, tel[3])
+                self.published.push_ended(item, push, s.group)
+            else:
+                if not x.released:
+                    self.metrics.count("failed_transfers")
+                if not self.transport.release(x):
+                    still.append((item, push))  # keep polling until NIXL lets it go
+                    continue
+                self._failed(s, item, push, f"WRITE to {s.name} failed (NIXL ERR)")
+        self._active = still
+
+    def _failed(self, s: Session, item: Item, push: Push, detail: str) -> None:
+        self.published.push_ended(item, push, None)
+        self._reply(s.identity, P.PushFailed(req=push.req, items=[
+            P.ItemState(mm_hash=item.desc.mm_hash, status="XFER_ERR", detail=detail)]))

@@ -1,0 +1,233 @@
+"""Serving items: the producer's control plane.
+
+A ZMQ ROUTER socket answers consumers. Only a peer that completed the handshake (signed
+``Hello``, nonce bound to its connection, compatible hash: see ``handshake``) gets a session;
+every other request is refused with the reason. On a session a consumer may ``Hold`` items
+(lease + where they are, so it can READ at once), ``Get`` them (a pinned READ grant), ``Push``
+them (we WRITE into its slots: see ``pusher``), ``Cancel`` pushes, read ``Stats``, send
+``Heartbeat``s, report ``ReadDone`` and say ``Bye``. Items live in the table (``published``); the server only decides
+who may do what with them. One bad request is refused with its reason and never takes the
+server down.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+import time
+from typing import Callable, Optional
+
+import zmq
+
+from ec_nixl import handshake
+from ec_nixl import protocol as P
+from ec_nixl.config import EndpointConfig, split_address
+from ec_nixl.errors import ConfigError, ECNixlError, ProtocolError
+from ec_nixl.handshake import Identity, Session
+from ec_nixl.loop import OwnerLoop
+from ec_nixl.metrics import Metrics
+from ec_nixl.published import Published
+from ec_nixl.pusher import Pusher
+from ec_nixl.transport import Transport
+
+logger = logging.getLogger("ec_nixl")
+
+_MAX_HELLO_NONCES = 1 << 16  # handshakes remembered against replay
+
+
+class Server:
+    """The producer's ROUTER socket and sessions (owner thread only)."""
+
+    def __init__(self, cfg: EndpointConfig, me: Identity, loop: OwnerLoop, metrics: Metrics,
+                 published: Optional[Published], transport: Optional[Transport],
+                 stats: Callable[[], dict], on_activity: Callable[[], None]):
+        self.cfg, self.me, self.metrics, self.published, self.transport = cfg, me, metrics, published, transport
+        self._stats, self._on_activity = stats, on_activity
+        self._sessions: dict[str, Session] = {}
+        self._hello_nonces: collections.OrderedDict[bytes, tuple[bytes, Optional[str]]] = collections.OrderedDict()
+        host, port = split_address(cfg.listen, allow_any_port=True)
+        ctx = zmq.Context.instance()
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        try:
+            if port == 0:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as e:
+            self._sock.close()
+            raise ConfigError(f"cannot listen on {cfg.listen}: {e}") from None
+        self.address = cfg.advertise or f"{host}:{port}"
+        self.pusher = Pusher(published, transport, metrics, loop, self._sessions.get, self.reply) \
+            if published is not None and transport is not None else None
+        loop.add_socket(self._sock, self._serve_some)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def session(self, sid: str) -> Optional[Session]:
+        return self._sessions.get(sid)
+
+    def reply(self, identity: bytes, msg) -> None:
+        try:
+            self._sock.send_multipart([identity, P.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.debug("reply to %r dropped: %s", identity, e)
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+    # --- requests --------------------------------------------------------------------
+
+    def _serve_some(self) -> None:
+        self._on_activity()
+        for _ in range(256):
+            try:
+                identity, data = self._sock.recv_multipart(zmq.NOBLOCK)[:2]
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # a frame count we never send: ignore
+            try:
+                msg = P.decode(data)
+            except ECNixlError as e:
+                self.metrics.fail("BAD_MESSAGE")
+                self.reply(identity, P.Refused(reason=P.Nack.BAD_REQUEST.value, detail=str(e)))
+                continue
+            try:
+                self._on_request(identity, msg)
+            except ECNixlError as e:
+                self.reply(identity, P.Refused(reason=P.Nack.BAD_REQUEST.value, detail=str(e),
+                                               req=getattr(msg, "req", 0)))
+            except Exception as e:  # never let one request take the server down
+                logger.exception("ec-nixl: request %s failed", type(msg).__name__)
+                self.reply(identity, P.Refused(reason=P.Nack.INTERNAL.value, detail=repr(e),
+                                               req=getattr(msg, "req", 0)))
+
+    def _refuse(self, identity: bytes, reason: P.Nack, detail: str, req: int = 0) -> None:
+        self.metrics.fail(reason.value)
+        self.reply(identity, P.Refused(reason=reason.value, detail=detail, req=req))
+
+    def _on_request(self, identity: bytes, msg) -> None:
+        if isinstance(msg, P.Hello):
+            return self._on_hello(identity, msg)
+        sid = getattr(msg, "session", None)
+        if sid is None:
+            raise ProtocolError(f"{type(msg).__name__} is not a request")
+        req = getattr(msg, "req", 0)
+        s = self._session_of(identity, sid, req)
+        if s is None:
+            return
+        if s.observer and not isinstance(msg, (P.Stats, P.Heartbeat, P.Bye)):
+            return self._refuse(identity, P.Nack.UNAUTHORIZED, "an observer session may only read statistics", req)
+        if isinstance(msg, (P.Hold, P.Get)):
+            return self._on_hold_or_get(identity, s, msg)
+        if isinstance(msg, P.Push):
+            return self._on_push(identity, s, msg)
+        if isinstance(msg, P.Cancel):
+            return self._on_cancel(identity, s, msg)
+        if isinstance(msg, P.Stats):
+            return self.reply(identity, P.StatsReply(req=msg.req, stats=self._stats()))
+        if isinstance(msg, P.Heartbeat):
+            return self.reply(identity, P.Heartbeat(session=sid))
+        if isinstance(msg, P.ReadDone):
+            if self.published is not None:
+                self.published.read_done(s.id, s.group, msg.mm_hashes, msg.reader)
+            return
+        if isinstance(msg, P.Bye):
+            return self._end_session(s)
+        raise ProtocolError(f"unexpected {type(msg).__name__} from a consumer")
+
+    def _session_of(self, identity: bytes, sid: str, req: int) -> Optional[Session]:
+        s = self._sessions.get(sid)
+        if s is None or s.identity != identity:
+            self._refuse(identity, P.Nack.UNKNOWN_SESSION, "no handshake for this session", req)
+            return None
+        s.last_seen = time.monotonic()
+        if not s.used:
+            s.used = True
+            # A consumer agent uses one session with us at a time: the first request on a new one
+            # means its older ones were lost, or belong to its previous incarnation (a restarted
+            # process: agent names are unique). Their pins and interest go now, not at lease end.
+            # Not at Hello: Hellos of connections it already gave up may still be queued here.
+            # Its NIXL peer stays: add_peer already replaced an older incarnation's metadata.
+            for o in [o for o in self._sessions.values() if o is not s and o.name == s.name
+                      and o.peer is not None and s.peer is not None]:
+                self._end_session(o, keep_peer=True)
+        return s
+
+    def _on_hello(self, identity: bytes, msg: P.Hello) -> None:
+        logger.debug("hello from %s (%s)", msg.name, "data" if msg.agent_md is not None else "control")
+
+        def refuse(reason: P.Nack, detail: str):
+            logger.warning("ec-nixl: refused %s (%s): %s", msg.name, reason.value, detail)
+            self._refuse(identity, reason, detail)
+
+        if not handshake.signed(self.me, msg):
+            return refuse(P.Nack.UNAUTHORIZED, "handshake not signed with the shared token")
+        # A signed Hello proves the token only once: the same nonce from another connection is a
+        # replay (its session would act for the real consumer's NIXL agent). Resends come from the
+        # same connection and pass. The memory of nonces is bounded (oldest forgotten first).
+        first, sid = self._hello_nonces.setdefault(msg.nonce, (identity, None))
+        if len(self._hello_nonces) > _MAX_HELLO_NONCES:
+            self._hello_nonces.popitem(last=False)
+        if first != identity:
+            return refuse(P.Nack.UNAUTHORIZED, "replayed handshake (its nonce came from another connection)")
+        # A consumer resends its Hello until it hears from us (its first may have been dropped
+        # before the connection was up; a starved producer may find dozens queued). Each resend
+        # gets the same session: one session and one NIXL peer per handshake, however many copies.
+        s = self._sessions.get(sid) if sid is not None else None
+        if s is not None and s.welcome is not None:
+            return self.reply(identity, s.welcome)
+        bad = handshake.check_hello(self.me, msg)
+        if bad is not None:
+            return refuse(*bad)
+        peer = None
+        if msg.agent_md is not None and msg.arena is not None and self.transport is not None:
+            try:
+                peer = self.transport.add_peer(msg.agent_md, msg.arena, msg.incarnation, msg.name)
+            except Exception as e:
+                return refuse(P.Nack.INCOMPAT, f"cannot add NIXL peer: {e}")
+        sid = secrets.token_hex(8)
+        session = self._sessions[sid] = Session(sid, identity, msg.name, peer, msg.arena, msg.group,
+                                                handshake.is_observer(msg))
+        self._hello_nonces[msg.nonce] = (identity, sid)
+        t = self.transport
+        session.welcome = handshake.welcome(self.me, sid, msg.nonce, t.metadata if t else None,
+                                            t.arena_info if t else None)
+        self.reply(identity, session.welcome)
+
+    def _table(self) -> Published:
+        if self.published is None:
+            raise ProtocolError(f"{self.cfg.name} serves no items (it has no pool)")
+        return self.published
+
+    def _on_hold_or_get(self, identity: bytes, s: Session, msg) -> None:
+        readers = max(1, min(int(msg.readers), 1024))
+        items = self._table().grant(s.id, s.group, msg.mm_hashes, readers, getattr(msg, "reader", 0),
+                                    pin=isinstance(msg, P.Get))
+        self.reply(identity, P.Grant(req=msg.req, items=items))
+
+    def _on_push(self, identity: bytes, s: Session, msg: P.Push) -> None:
+        if s.peer is None or self.pusher is None:
+            raise ProtocolError("a control-only session cannot receive pushes")
+        accepted, failed = self._table().claim_pushes(s.id, s.group, s.arena, msg)
+        if failed:
+            self.reply(identity, P.PushFailed(req=msg.req, items=failed))
+        self.pusher.add(accepted)
+
+    def _on_cancel(self, identity: bytes, s: Session, msg: P.Cancel) -> None:
+        running = self.pusher.still_running if self.pusher is not None else (lambda p: False)
+        safe, in_flight = self._table().cancel_pushes(s.id, msg.mm_hashes, running)
+        self.reply(identity, P.CancelAck(req=msg.req, safe=safe, in_flight=in_flight))
+
+    def _end_session(self, s: Session, keep_peer: bool = False) -> None:
+        self._sessions.pop(s.id, None)
+        group_left = any(o.group == s.group for o in self._sessions.values())
+        if self.published is not None:
+            self.published.drop_session(s.id, s.group, group_left)
+        if s.peer is not None and not keep_peer and not any(o.name == s.name for o in self._sessions.values()):
+            self.transport.forget_peer(s.name)

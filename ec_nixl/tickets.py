@@ -1,0 +1,123 @@
+"""What a consumer asks for (``ItemRef``) and how each load stands (``LoadTicket``).
+
+A ticket is created PENDING by ``Loader.load`` and ends LANDED (its bytes are in our pool) or
+FAILED (``error``/``reason`` say why); ``phase`` says where a pending one is, which decides how a
+failure frees its slot. Tickets are plain state owned by the loader's owner thread; the only
+things a caller does with one are read it, take the landed tensor, and ``release`` the slot.
+A ticket keeps a reference to its pool (to give the slot back), never to the endpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from ec_nixl import protocol as P
+from ec_nixl.states import PHASE_NEXT, TICKET_NEXT, Phase, TicketState, advance
+from ec_nixl.tensors import torch_dtype
+
+if TYPE_CHECKING:
+    from ec_nixl.pool import Fence, Pool, Slot
+    from ec_nixl.transport import Xfer
+
+
+@dataclass(frozen=True)
+class ItemRef:
+    """What a consumer needs to fetch one item: its description and where it lives.
+
+    ``block``/``valid_until`` come from a producer's Hold reply: while the hold is valid the item
+    cannot move, so a READ can be posted at once without asking for a grant.
+    """
+
+    desc: P.ItemDesc
+    producer: str
+    block: int = -1
+    valid_until: float = 0.0
+    reader: int = 0
+    readers: int = 1
+    incarnation: str = ""
+    """The producer incarnation whose Hold gave ``block`` (``HoldRequest.incarnation``): the block
+    is used only on a session with that incarnation; a producer restarted at the same address is
+    asked for a grant instead. Empty: trust ``block`` (callers that cannot tell)."""
+
+    @property
+    def mm_hash(self) -> str:
+        return self.desc.mm_hash
+
+
+class LoadTicket:
+    """One item being loaded; LANDED once its bytes are in this endpoint's pool."""
+
+    __slots__ = ("ref", "slot", "state", "phase", "error", "reason", "retryable", "deadline",
+                 "t_start", "t_post", "t_done", "xfer", "retry_at", "mode", "_pool", "released", "event", "_view")
+
+    def __init__(self, ref: ItemRef, deadline: float, pool: "Pool"):
+        self.ref = ref
+        self.slot: Optional[Slot] = None
+        self.state = TicketState.PENDING
+        self.phase = Phase.QUEUED
+        self.error = ""
+        self.reason = ""
+        self.retryable = False
+        self.deadline = deadline
+        self.t_start = time.perf_counter()
+        self.t_post = 0.0
+        self.t_done = 0.0
+        self.xfer: Optional[Xfer] = None
+        self.retry_at = 0.0
+        self.mode = ""
+        self._pool = pool
+        self.released = False
+        self.event = None  # a CUDA event, when the bytes became visible through stream work
+        self._view: Optional[torch.Tensor] = None
+
+    @property
+    def mm_hash(self) -> str:
+        return self.ref.desc.mm_hash
+
+    @property
+    def done(self) -> bool:
+        return self.state is not TicketState.PENDING
+
+    @property
+    def pending(self) -> bool:
+        return self.state is TicketState.PENDING
+
+    def enter(self, phase: Phase) -> None:
+        """Move to ``phase`` (owner thread; the table in ``states`` says which moves exist)."""
+        self.phase = advance(self.phase, phase, PHASE_NEXT)
+
+    def land(self) -> None:
+        """The bytes are in our pool: build the view now, off the waiter's path."""
+        self.enter(Phase.DONE)
+        self.t_done = time.perf_counter()
+        self.state = advance(self.state, TicketState.LANDED, TICKET_NEXT)
+        self.tensor()
+
+    def fail(self, error: str, reason: str, retryable: bool) -> None:
+        """Record the failure; the caller has already decided what happens to the slot."""
+        self.enter(Phase.DONE)
+        self.t_done = time.perf_counter()
+        self.error, self.reason, self.retryable = error, reason, retryable
+        self.state = advance(self.state, TicketState.FAILED, TICKET_NEXT)
+
+    def tensor(self) -> torch.Tensor:
+        """The landed item as a view into the pool (valid until ``release``); built once."""
+        if self.state is not TicketState.LANDED or self.slot is None:
+            raise RuntimeError(f"item {self.mm_hash} is {self.state}, not landed")
+        if self._view is None:
+            d = self.ref.desc
+            self._view = self.slot.view(d.shape, torch_dtype(d.dtype))
+        return self._view
+
+    def release(self, fence: Optional[Fence] = None) -> None:
+        """Give the slot back once ``fence`` (e.g. the gather's CUDA event) has completed."""
+        if not self.released and self.state is TicketState.LANDED and self.slot is not None:
+            self.released = True
+            self._pool.release(self.slot, fence)
+
+    def __repr__(self) -> str:
+        return f"LoadTicket({self.mm_hash!r}, {self.state}/{self.phase}{', ' + self.error if self.error else ''})"
