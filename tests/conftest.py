@@ -37,44 +37,62 @@ def device(request):
     return request.param
 
 
+def _closed_at_teardown(create):
+    """A factory fixture's body: hand out ``create(n, *args, **kw)`` (n counts the objects made),
+    then close every one of them at teardown."""
+    made = []
+
+    def make(*args, **kw):
+        obj = create(len(made), *args, **kw)
+        made.append(obj)
+        return obj
+
+    yield make
+    for obj in made:
+        obj.close()
+
+
 @pytest.fixture
 def make_consumer(device):
-    """Factory for consumer endpoints in this process (closed at teardown)."""
+    """Factory for consumer endpoints in this process, their pools poisoned (closed at teardown)."""
     from ec_nixl.config import EndpointConfig
     from ec_nixl.endpoint import Endpoint
 
-    made = []
-
-    def make(**kw):
-        kw.setdefault("name", f"consumer-{len(made)}-{os.getpid()}")
+    def create(n, **kw):
+        kw.setdefault("name", f"consumer-{n}-{os.getpid()}")
         kw.setdefault("device", device)
         kw.setdefault("pool_bytes", 256 << 20)
         kw.setdefault("threaded", False)
         ep = Endpoint(EndpointConfig(**kw))
         if ep.pool is not None:
             ep.pool.arena.bytes.fill_(0xAB)  # poison: an early hand-over would show
-        made.append(ep)
         return ep
 
-    yield make
-    for ep in made:
-        ep.close()
+    yield from _closed_at_teardown(create)
 
 
 @pytest.fixture
-def make_producer(device):
-    """Factory for producer processes (closed, or killed, at teardown)."""
+def make_peer(device):
+    """Factory for peer processes: ``make_peer(cls=ProducerProcess, **cfg)``; a ``ConsumerProcess``
+    where a consumer must die or run beside others. Pools default to 16 MiB (the fault tests move
+    a few small items). Closed, or killed, at teardown."""
     from peers import ProducerProcess
 
-    made = []
+    def create(n, cls=ProducerProcess, **kw):
+        kw.setdefault("device", device)
+        kw.setdefault("pool_bytes", 16 << 20)
+        return cls(**kw)
+
+    yield from _closed_at_teardown(create)
+
+
+@pytest.fixture
+def make_producer(make_peer):
+    """Factory for producer processes with 256 MiB pools (closed, or killed, at teardown)."""
+    from peers import ProducerProcess
 
     def make(**kw):
-        kw.setdefault("device", device)
         kw.setdefault("pool_bytes", 256 << 20)
-        p = ProducerProcess(**kw)
-        made.append(p)
-        return p
+        return make_peer(ProducerProcess, **kw)
 
-    yield make
-    for p in made:
-        p.close()
+    return make

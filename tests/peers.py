@@ -9,7 +9,9 @@ from seeds on both sides, so the consumer can check every byte without shipping 
 the pipe.
 
 Some commands are *fault injections* (``stall``, ``drop_read_notifs``): they break a peer on
-purpose, the way a real one breaks, so the reliability tests can watch the other side cope.
+purpose, the way a real one breaks, so the fault tests can watch the other side cope. What a
+command needs of an endpoint's private state it reads through ``helpers`` (its "endpoint
+internals" section), never here.
 """
 
 from __future__ import annotations
@@ -60,39 +62,14 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-class _GetRequest:
-    """A Get sent on its own (a grant nobody READs): what a consumer holds when it dies."""
-
-    kind = "get"
-
-    def __init__(self, producer: str, mm_hashes: list[str], req: int, deadline: float):
-        from ec_nixl.queries import HoldRequest
-
-        self._h = HoldRequest(producer, mm_hashes, 1, req, deadline)
-        self.producer, self.mm_hashes, self.req, self.deadline = producer, mm_hashes, req, deadline
-
-    @property
-    def done(self) -> bool:
-        return self._h.done
-
-    @property
-    def states(self):
-        return self._h.states
-
-    def message(self, session: str):
-        from ec_nixl import protocol as P
-
-        return P.Get(session=session, req=self.req, mm_hashes=self.mm_hashes)
-
-    def resolve(self, msg, incarnation: str) -> None:
-        self._h.resolve(msg, incarnation)
-
-    def finish(self, status: str, detail: str) -> None:
-        self._h.finish(status, detail)
-
-
 def _load(ep, args, timeout):
-    """Load ``args`` = [(desc, producer, reader, readers)], wait, digest what landed, release."""
+    """Load ``args`` = [(desc, producer, reader, readers)], wait at the barrier, digest what it
+    handed over (or, where it refused the step, what landed anyway), release.
+
+    The digests are of the tensors the barrier *returned*: a barrier that handed over a slot
+    before its bytes landed shows up as a digest mismatch, not as a late failure.
+    """
+    import helpers
     from ec_nixl.barrier import LoadBarrier
     from ec_nixl.tickets import ItemRef
     from ec_nixl.errors import LoadFailed
@@ -100,22 +77,26 @@ def _load(ep, args, timeout):
     refs = [ItemRef(desc=d, producer=p, reader=r, readers=n) for d, p, r, n in args]
     tickets = ep.load(refs, timeout=timeout)
     try:
-        LoadBarrier(ep).wait(tickets)
+        handed = LoadBarrier(ep).wait(tickets)
     except LoadFailed:
-        pass
+        handed = {}
     out = []
     for t in tickets:
-        if t.state == "landed":
+        if t.mm_hash in handed:
+            out.append((t.mm_hash, "landed", "", digest(handed[t.mm_hash])))
+        elif helpers.landed(t):
             out.append((t.mm_hash, "landed", "", digest(t.tensor())))
-            t.release()
         else:
-            out.append((t.mm_hash, t.state, t.error or t.reason, ""))
+            out.append((t.mm_hash, helpers.state(t), t.error or t.reason, ""))
+    for t in tickets:
+        t.release()
     return out
 
 
 def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)  # several peers share a small machine: no intra-op thread pools
+    import helpers
     from ec_nixl.config import EndpointConfig
     from ec_nixl.endpoint import Endpoint
     from ec_nixl.tensors import Ready
@@ -169,6 +150,18 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
 
                 threading.Thread(target=later, daemon=True).start()
                 conn.send(("ok", desc))
+            elif cmd == "publish_behind_kernel":
+                # GPU: the item is written by a kernel queued behind `cycles` of busy stream
+                # (torch.cuda._sleep) and published at once; publish() guards it with a CUDA event,
+                # so it is NOT_READY until the stream gets there. Answers without waiting for it.
+                mm_hash, shape, dtype, seed, cycles = args
+                if not dev.startswith("cuda"):
+                    raise ValueError("publish_behind_kernel needs a CUDA producer")
+                final = make_item(seed, shape, dtype, dev)
+                torch.cuda.synchronize()
+                torch.cuda._sleep(int(cycles))
+                t = final.clone()  # runs when the sleep ends
+                conn.send(("ok", ep.publish(mm_hash, t)))
             elif cmd == "load":
                 # Consumer: args = (items, timeout); items = [(desc, producer, reader, readers)].
                 items, timeout = args
@@ -183,7 +176,7 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                 pending.setdefault("async", []).extend(tickets)
                 conn.send(("ok", [t.mm_hash for t in tickets]))
             elif cmd == "phases":
-                conn.send(("ok", {t.mm_hash: (t.state, t.phase) for t in pending.get("async", [])}))
+                conn.send(("ok", {t.mm_hash: (helpers.state(t), helpers.phase(t)) for t in pending.get("async", [])}))
             elif cmd == "hold":
                 producer, hashes, timeout = args
                 states = ep.hold(producer, hashes, timeout=timeout)
@@ -191,12 +184,7 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
             elif cmd == "get_only":
                 # Consumer: take READ grants (pins) and never read: a reader that dies after Get.
                 producer, hashes, timeout = args
-                g = _GetRequest(producer, list(hashes), ep.links.next_req(), time.monotonic() + timeout)
-                ep.loop.call(lambda: ep.links.ask(g))
-                ep.wait_for(lambda: g.done, timeout + 0.05)
-                if not g.done:
-                    g.finish("TIMEOUT", "no grant")
-                conn.send(("ok", {h: (s.status, s.block) for h, s in g.states.items()}))
+                conn.send(("ok", helpers.get_only(ep, producer, hashes, timeout)))
             elif cmd == "stall":
                 # FAULT INJECTION: block this endpoint's owner (I/O) thread for `args` seconds, as a
                 # GC pause, a swapped-out process or a stuck driver call would. Answers at once.
@@ -207,23 +195,20 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                     started.set()
                     time.sleep(seconds)
 
-                ep.loop.call(stall)
+                helpers.run_on_owner(ep, stall)
                 started.wait(10)
                 conn.send(("ok", time.monotonic()))
             elif cmd == "drop_read_notifs":
-                # FAULT INJECTION: this consumer's read-done notifications are dropped from now on,
+                # FAULT INJECTION: this consumer's read-done messages are dropped from now on,
                 # as if every one were lost on its way to the producer.
-                from ec_nixl import protocol as P
-
-                send = ep.links.send
-                ep.links.send = lambda link, msg: None if isinstance(msg, P.ReadDone) else send(link, msg)
+                helpers.drop_read_done(ep)
                 conn.send(("ok", None))
             elif cmd == "pushes":
                 # Producer: the pushes it is working on, as (mm_hash, 'queued' | 'posted').
-                conn.send(("ok", ep.server.pusher.active()))
+                conn.send(("ok", helpers.producer_pushes(ep)))
             elif cmd == "items":
                 # Producer: what keeps each published item alive (for assertion messages).
-                conn.send(("ok", ep.items.inspect()))
+                conn.send(("ok", helpers.producer_items(ep)))
             elif cmd == "stats":
                 conn.send(("ok", ep.stats()))
             elif cmd == "published":
@@ -250,7 +235,7 @@ def _context():
         method = os.environ.get("EC_NIXL_TEST_START", "forkserver")
         ctx = mp.get_context(method)
         if method == "forkserver":
-            ctx.set_forkserver_preload(["peers", "ec_nixl.endpoint", "ec_nixl.barrier"])
+            ctx.set_forkserver_preload(["peers", "helpers", "ec_nixl.endpoint", "ec_nixl.barrier"])
         _CTX = ctx
     return _CTX
 
@@ -299,9 +284,27 @@ class PeerProcess:
             raise RuntimeError(value)
         return value
 
-    def stop(self) -> None:
-        """SIGSTOP: the process freezes (its sockets stay open, nothing answers)."""
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGSTOP: the process freezes (its sockets stay open, nothing answers). Returns once
+        every thread of it is stopped: the signal is delivered asynchronously, and on a loaded
+        machine a peer may run on for a while after ``kill`` returned."""
         os.kill(self.proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout
+        while not self._stopped():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{type(self).__name__} {self.proc.pid} not stopped {timeout}s after SIGSTOP")
+            time.sleep(0.001)
+
+    def _stopped(self) -> bool:
+        task = f"/proc/{self.proc.pid}/task"
+        try:
+            for tid in os.listdir(task):
+                with open(f"{task}/{tid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                        return False
+        except FileNotFoundError:  # gone (or a thread ended while we looked): check again
+            return not self.proc.is_alive()
+        return True
 
     def cont(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

@@ -51,25 +51,69 @@ def test_too_many_items_rejected():
         P.decode(P.encode(m))
 
 
+def expect_decode(data: bytes):
+    """What ``P.decode`` must do with ``data``: return the message msgspec decodes as one of the
+    protocol's types, or raise ProtocolError with exactly msgspec's reason after
+    "malformed control message: " (inputs here are far below the size and item limits)."""
+    try:
+        return msgspec.msgpack.decode(data, type=P.Message), None
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return None, f"malformed control message: {e}"
+
+
+def assert_decodes_exactly(data: bytes):
+    want, error = expect_decode(data)
+    if error is None:
+        got = P.decode(data)
+        assert got == want and type(got) is type(want)
+        assert P.decode(P.encode(got)) == got, "a decoded message must survive a round trip"
+        return got
+    with pytest.raises(ProtocolError) as e:
+        P.decode(data)
+    assert str(e.value) == error
+    return None
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=512))
-def test_decoder_fuzz_never_raises_anything_but_protocol_error(data):
-    try:
-        P.decode(data)
-    except ProtocolError:
-        pass
+def test_decoder_fuzz_returns_a_message_or_the_exact_protocol_error(data):
+    assert_decodes_exactly(data)
+
+
+_FIELDS = ["type", "session", "req", "mm_hashes", "items", "readers"]
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from(["type", "session", "req", "mm_hashes", "items", "readers"]),
+@given(st.dictionaries(st.sampled_from(_FIELDS),
                        st.one_of(st.integers(-2**63, 2**63 - 1), st.text(max_size=8),
                                  st.lists(st.integers(-2**63, 2**63 - 1), max_size=3),
                                  st.sampled_from(["get", "hold", "push", "hello", "grant"]))))
 def test_decoder_fuzz_structured(d):
-    try:
-        P.decode(msgspec.msgpack.encode(d))
-    except ProtocolError:
-        pass
+    """Maps with real tags and field names: a decoded message is of the type its tag names and
+    carries exactly the given fields; anything else is the exact ProtocolError."""
+    msg = assert_decodes_exactly(msgspec.msgpack.encode(d))
+    if msg is not None:
+        assert type(msg).__struct_config__.tag == d["type"]
+        for k, v in d.items():
+            if k != "type" and k in type(msg).__struct_fields__:
+                assert getattr(msg, k) == v, (k, msg)
+
+
+def test_decoder_names_what_is_wrong():
+    """Hand-picked malformed messages and the exact reason each is refused with."""
+    cases = {
+        msgspec.msgpack.encode({"type": "get", "session": "s", "req": "x", "mm_hashes": []}):
+            "malformed control message: Expected `int`, got `str` - at `$.req`",
+        msgspec.msgpack.encode({"type": "hold", "req": 1, "mm_hashes": []}):
+            "malformed control message: Object missing required field `session`",
+        msgspec.msgpack.encode({"type": "nope"}):
+            "malformed control message: Invalid value 'nope' - at `$.type`",
+        b"\xc1": "malformed control message: MessagePack data is malformed: invalid opcode '\\xc1' (byte 0)",
+    }
+    for data, error in cases.items():
+        with pytest.raises(ProtocolError) as e:
+            P.decode(data)
+        assert str(e.value) == error, data
 
 
 def item(**kw):

@@ -1,43 +1,30 @@
-"""Real NIXL transfers between real processes: round trips, the race, and failures.
+"""Real NIXL transfers between real processes: round trips, the load barrier's guarantees, request errors.
 
 The producer runs in its own process (``peers.ProducerProcess``); the consumer runs here with its
-pool poisoned, so a hand-over before the bytes landed would fail the byte-exact checks.
+pool poisoned, so a hand-over before the bytes landed would fail the byte-exact checks. Peers
+that die, stall, lie or attack are the ``test_faults_*`` and ``test_security`` files' subject.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
 import torch
 
 from ec_nixl.barrier import LoadBarrier
-from ec_nixl.tickets import ItemRef
 from ec_nixl.errors import LoadFailed
+from ec_nixl.tensors import Ready
+from ec_nixl.tickets import ItemRef
+from helpers import MODES, TCP_ONLY, check, fetch, overlap, phase, refs_for, state
 from peers import ConsumerProcess, digest, make_item
 
-MODES = ["read", "write"]
-
-
-def refs_for(producer, descs, **kw):
-    return [ItemRef(desc=d, producer=producer.address, **kw) for d in descs]
-
-
-def fetch_and_check(cons, refs, specs, device) -> None:
-    """Load, wait, check every byte, give the slots back."""
-    tickets = cons.load(refs)
-    check(LoadBarrier(cons).wait(tickets), specs, device)
-    for t in tickets:
-        t.release()
-
-
-def check(out: dict, specs: list, device: str) -> None:
-    for mm_hash, shape, dtype, seed in specs:
-        got = out[mm_hash]
-        want = make_item(seed, shape, dtype, device)
-        assert got.shape == want.shape and got.dtype == want.dtype, mm_hash
-        assert digest(got) == digest(want), f"{mm_hash}: bytes differ"
+# Tests that need a real CUDA device and no CPU twin (the ``device`` fixture's cuda param, alone).
+GPU_ONLY = pytest.mark.parametrize("device", [pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here "
+                                        "(GPU tests run on the H200 machine)")])])
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -94,12 +81,17 @@ def test_barrier_never_releases_early_with_throttled_producer(make_producer, mak
 
     The barrier must wait for the bytes, not for the announcement: every byte is checked
     against the final item, while the consumer slot starts poisoned and the producer slot
-    starts filled with 0x5A.
+    starts filled with 0x5A. READ: the producer answers NOT_READY and the consumer retries.
+    WRITE: the producer queues the push until the item is written; the consumer never hears
+    NOT_READY, so it never retries.
     """
     prod = make_producer()
     cons = make_consumer(mode=mode)
     delay = 0.4
     spec = ("late", (1369, 3584), "bfloat16", 42)
+    # Handshake first: on a loaded machine it can outlast the delay, and the item would be ready
+    # before it is first asked for.
+    assert cons.hold(prod.address, ["late"], timeout=30)["late"].status == "MISSING"
     desc = prod.call("publish_late", (*spec, delay))
     t0 = time.monotonic()
     tickets = cons.load(refs_for(prod, [desc]))
@@ -107,20 +99,121 @@ def test_barrier_never_releases_early_with_throttled_producer(make_producer, mak
     waited = time.monotonic() - t0
     assert waited >= delay * 0.9, f"barrier passed after {waited:.3f}s, before the data existed"
     check(out, [spec], device)
-    assert cons.stats()["counters"]["retries"] >= 1 or mode == "write"
+    retries = cons.stats()["counters"]["retries"]
+    if mode == "read":
+        assert retries >= 1, "a NOT_READY grant must be retried"
+    else:
+        assert retries == 0, "a push is queued at the producer: nothing to retry"
 
 
 def test_barrier_returns_at_once_for_landed_items(make_producer, make_consumer, device):
+    """A second wait on landed tickets does no work; both hand over exactly the producer's bytes."""
     prod = make_producer()
     cons = make_consumer(mode="read")
-    descs = prod.call("publish", [("a", (64, 64), "float32", 1)])
+    specs = [("a", (64, 64), "float32", 1)]
+    descs = prod.call("publish", specs)
     tickets = cons.load(refs_for(prod, descs))
     barrier = LoadBarrier(cons)
-    barrier.wait(tickets)
+    check(barrier.wait(tickets), specs, device)
     t0 = time.perf_counter()
     out = barrier.wait(tickets)
     assert time.perf_counter() - t0 < 0.01
     assert set(out) == {"a"}
+    check(out, specs, device)
+
+
+@pytest.mark.parametrize("device", ["cpu"])  # UCX over TCP moves DRAM only; no VRAM twin
+def test_barrier_waits_for_a_read_still_in_flight(make_producer, make_consumer, device, monkeypatch):
+    """An item lands when NIXL reports its READ complete, not when the READ is posted.
+
+    Both sides use UCX over TCP (with CMA the bytes would be copied while the READ is posted)
+    and the producer is frozen (SIGSTOP) before the consumer posts its READ straight from a
+    Hold: the READ cannot finish. The ticket stays pending after the post; the barrier, asked
+    while the READ is in flight, is still waiting when the producer thaws 0.5 s later, and then
+    hands over exactly the producer's bytes (the consumer's slot starts poisoned).
+    """
+    for k, v in TCP_ONLY.items():
+        monkeypatch.setenv(k, v)  # for the consumer's agent, created below in this process
+    prod = make_producer(pool_bytes=32 << 20, env=TCP_ONLY)
+    cons = make_consumer(mode="read", pool_bytes=32 << 20)
+    specs = [("in-flight", (1024, 1024), "float32", 7)]  # 4 MiB
+    desc = prod.call("publish", specs)[0]
+    st = cons.hold(prod.address, ["in-flight"], timeout=30)["in-flight"]
+    assert st.status == "ready", st
+    ref = ItemRef(desc=desc, producer=prod.address, block=st.block, valid_until=time.time() + st.lease_s)
+    thaw = threading.Timer(0.5, prod.cont)
+    prod.stop()
+    try:
+        tickets = cons.load([ref])
+        assert cons.wait_for(lambda: phase(tickets[0]) not in ("queued", "read_queued"), 5), tickets[0]
+        assert phase(tickets[0]) == "read" and not tickets[0].done, \
+            f"{tickets[0]}: landed while its READ could not have finished (producer frozen, no CMA)"
+        thaw.start()
+        t0 = time.monotonic()
+        out = LoadBarrier(cons).wait(tickets)
+        waited = time.monotonic() - t0
+    finally:
+        thaw.cancel()
+        prod.cont()
+    assert waited >= 0.4, f"the barrier handed over after {waited:.3f}s, while the producer was frozen"
+    check(out, specs, device)
+    tickets[0].release()
+    assert cons.pool.stats().used == 0
+
+
+def test_released_slot_is_not_reused_before_its_fence(make_producer, make_consumer, device):
+    """A loaded item is given back behind a fence, the event recorded after the kernel that reads
+    it (vLLM's gather). Until the fence completes, no other load may land in its slot.
+
+    GPU: a real CUDA event behind a kernel that keeps the stream busy, then copies the item; the
+    next load lands meanwhile. CPU: no such event exists, so FAULT INJECTION: a fake fence
+    (``Ready``) that completes only when the test says, standing in for a gather still running.
+    """
+    prod = make_producer()
+    cons = make_consumer(mode="read")
+    specs = [("first", (256, 256), "float32", 1), ("second", (256, 256), "float32", 2)]
+    descs = prod.call("publish", specs)
+    barrier = LoadBarrier(cons)
+    first = cons.load(refs_for(prod, descs[:1]))
+    view = barrier.wait(first)["first"]
+    if device == "cuda":
+        torch.cuda._sleep(5_000_000_000)  # ~2.5 s of a busy stream ahead of the gather
+        gathered = view.clone()  # the gather: reads the slot when the stream gets there
+        fence = torch.cuda.Event()
+        fence.record()
+    else:
+        fence = Ready(False)
+    first[0].release(fence)
+    assert cons.pool.stats().deferred == 1, cons.pool.stats()
+    second = cons.load(refs_for(prod, descs[1:]))
+    out = barrier.wait(second)
+    assert not overlap(out["second"], view), "a load landed in a slot whose fence had not completed"
+    if device == "cuda":
+        assert not fence.query(), "the kernel finished before the second load landed: nothing was tested"
+        torch.cuda.synchronize()
+    else:
+        gathered = view.clone()
+        fence.set()
+    check({"first": gathered}, specs[:1], device)
+    check(out, specs[1:], device)
+    second[0].release()
+    assert cons.wait_for(lambda: cons.pool.stats().used == 0, 5), cons.pool.stats()
+
+
+@GPU_ONLY
+def test_item_is_not_served_before_the_kernel_writing_it(make_producer, make_consumer, device):
+    """The producer publishes a tensor that a kernel is still writing (its stream is busy for
+    ~1 s first); ``publish`` pins it behind a CUDA event, and a consumer READing it meanwhile gets
+    NOT_READY until the event completes: it retries, then lands exactly the final bytes."""
+    prod = make_producer()
+    cons = make_consumer(mode="read")
+    spec = ("kernel-written", (512, 1024), "bfloat16", 13)
+    desc = prod.call("publish_behind_kernel", (*spec, 2_000_000_000))
+    tickets = cons.load(refs_for(prod, [desc]))
+    out = LoadBarrier(cons).wait(tickets)
+    check(out, [spec], device)
+    assert cons.stats()["counters"]["retries"] >= 1, "served before the kernel writing it had finished?"
+    tickets[0].release()
 
 
 def test_hold_reports_place_and_enables_direct_read(make_producer, make_consumer, device):
@@ -159,30 +252,7 @@ def test_two_readers_each_get_a_copy(make_producer, make_consumer, device):
 
 
 # --------------------------------------------------------------------------------------------
-# bad input and failures: clear errors within a bounded time, nothing leaked, others unaffected
-
-
-def test_compat_mismatch_is_refused(make_producer, make_consumer, device):
-    prod = make_producer(compat={"model": "A", "width": 3584})
-    cons = make_consumer(compat={"model": "B", "width": 3584})
-    descs = prod.call("publish", [("x", (4, 4), "float32", 1)])
-    tickets = cons.load(refs_for(prod, descs))
-    with pytest.raises(LoadFailed) as e:
-        LoadBarrier(cons).wait(tickets)
-    assert "INCOMPAT" in str(e.value) or "incompatible" in str(e.value)
-    assert cons.pool.stats().used == 0
-
-
-def test_wrong_token_is_refused(make_producer, make_consumer, device):
-    prod = make_producer(token="s3cret")
-    cons = make_consumer(token="guess")
-    descs = prod.call("publish", [("x", (4, 4), "float32", 1)])
-    tickets = cons.load(refs_for(prod, descs))
-    with pytest.raises(LoadFailed) as e:
-        LoadBarrier(cons).wait(tickets)
-    assert "UNAUTHORIZED" in str(e.value) or "authentic" in str(e.value)
-    good = make_consumer(token="s3cret")
-    fetch_and_check(good, refs_for(prod, descs), [("x", (4, 4), "float32", 1)], device)
+# request errors: clear errors within a bounded time, nothing leaked, others unaffected
 
 
 def test_unknown_peer_fails_fast(make_consumer, device):
@@ -214,7 +284,7 @@ def test_missing_item_and_others_unaffected(make_producer, make_consumer, device
     with pytest.raises(LoadFailed) as e:
         LoadBarrier(cons).wait(tickets)
     assert list(e.value.failures) == ["ghost"] and "MISSING" in e.value.failures["ghost"]
-    assert tickets[0].state == "landed"
+    assert state(tickets[0]) == "landed"
     check({"real": tickets[0].tensor()}, specs, device)
     tickets[0].release()
     assert cons.pool.stats().used == 0
@@ -236,144 +306,6 @@ def test_shape_mismatch_is_rejected(make_producer, make_consumer, device):
         LoadBarrier(cons).wait(cons.load(refs_for(prod, [bad])))
     assert "bad shape" in e.value.failures["y"]
     assert cons.pool.stats().used == 0
-
-
-def test_item_larger_than_pool(make_producer, make_consumer, device):
-    prod = make_producer(pool_bytes=96 << 20)
-    cons = make_consumer(pool_bytes=16 << 20)
-    descs = prod.call("publish", [("big", (4096, 4096), "float32", 1), ("small", (8, 8), "float32", 2)])
-    tickets = cons.load(refs_for(prod, descs))
-    with pytest.raises(LoadFailed) as e:
-        LoadBarrier(cons).wait(tickets)
-    assert list(e.value.failures) == ["big"] and "pool" in e.value.failures["big"]
-    assert tickets[1].state == "landed"
-    tickets[1].release()
-    assert cons.pool.stats().used == 0
-    with pytest.raises(Exception) as e2:
-        prod.call("publish", [("too-big", (8192, 4096), "float32", 1)])
-    assert "ItemTooLarge" in str(e2.value)
-
-
-def test_malformed_messages_get_errors_and_server_keeps_serving(make_producer, make_consumer, device):
-    import zmq
-
-    from ec_nixl import protocol as P
-
-    prod = make_producer()
-    host, port = prod.address.rsplit(":", 1)
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(f"tcp://{host}:{port}")
-    s.setsockopt(zmq.RCVTIMEO, 3000)
-    for junk in [b"", b"\xff\xfe garbage", P.encode(P.Heartbeat(session="nope")),
-                 P.encode(P.Get(session="forged", req=1, mm_hashes=["x"]))]:
-        s.send(junk)
-        reply = P.decode(s.recv())
-        assert isinstance(reply, P.Refused), reply
-        assert reply.reason in ("BAD_REQUEST", "UNKNOWN_SESSION")
-    s.close()
-    cons = make_consumer()
-    specs = [("fine", (16, 16), "bfloat16", 5)]
-    descs = prod.call("publish", specs)
-    fetch_and_check(cons, refs_for(prod, descs), specs, device)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_producer_killed_while_consumer_waits(make_producer, make_consumer, device, mode):
-    prod = make_producer()
-    other = make_producer()
-    cons = make_consumer(mode=mode, quarantine_s=0.2, peer_timeout_s=2.0, load_timeout_s=10.0)
-    desc = prod.call("publish_late", ("never", (256, 256), "float32", 1, 3600.0))
-    ok_specs = [("fine", (64, 64), "float32", 2)]
-    ok_descs = other.call("publish", ok_specs)
-    tickets = cons.load(refs_for(prod, [desc]))
-    cons.wait_for(lambda: False, 0.3)  # let the request reach the producer
-    prod.kill()
-    t0 = time.monotonic()
-    with pytest.raises(LoadFailed) as e:
-        LoadBarrier(cons).wait(tickets)
-    assert time.monotonic() - t0 < 5.0
-    assert "never" in e.value.failures
-    # The consumer keeps serving other producers.
-    fetch_and_check(cons, refs_for(other, ok_descs), ok_specs, device)
-    cons.wait_for(lambda: cons.pool.stats().used == 0 and cons.pool.stats().quarantined == 0, 5)
-    st = cons.pool.stats()
-    assert st.used == 0 and st.quarantined == 0, st
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of every thread of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_idle_pair_leaves_the_cpu_alone(make_producer, device, mode):
-    """A handshaken producer and consumer holding nothing must not busy-poll (NIXL's progress
-    thread sleeps on UCX's wake-up fds, the I/O thread on its poller): on a 2-core host a
-    spinning thread per endpoint starves everything else. The goal (2 % of a core per process)
-    is the bench's; this only catches a spinner. Work that arrives after the idle spell lands."""
-    prod = make_producer()
-    # Like a vLLM consumer worker: no I/O thread, NIXL driven by its own loads.
-    cons = ConsumerProcess(device=device, mode=mode, threaded=False, pool_bytes=64 << 20)
-    try:
-        def load(specs):
-            descs = prod.call("publish", specs)
-            got = cons.call("load", ([(d, prod.address, 0, 1) for d in descs], 10.0))
-            want = {h: digest(make_item(seed, shape, dtype, device)) for h, shape, dtype, seed in specs}
-            assert {h: (st, dg) for h, st, _, dg in got} == {h: ("landed", dg) for h, dg in want.items()}, got
-
-        load([(f"warm-{i}", (64, 1024), "bfloat16", i) for i in range(3)])
-        deadline = time.monotonic() + 5
-        while prod.call("stats")["pool"]["used"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)
-        window = 4.0
-        before = {p: _cpu_s(p.pid) for p in (prod, cons)}
-        time.sleep(window)
-        use = {type(p).__name__: round((_cpu_s(p.pid) - c) / window, 3) for p, c in before.items()}
-        assert all(u < 0.05 for u in use.values()), f"idle CPU use in cores: {use} (a thread busy-polls)"
-        load([("after-idle", (64, 1024), "bfloat16", 9)])
-    finally:
-        cons.close()
-
-
-def test_producer_killed_mid_transfer_no_hang(make_producer, make_consumer, device):
-    """Kill the producer while a large READ is (likely) in flight: either outcome, never a hang."""
-    prod = make_producer(pool_bytes=600 << 20)
-    cons = make_consumer(mode="read", pool_bytes=600 << 20, quarantine_s=0.2, load_timeout_s=10.0)
-    specs = [(f"big{i}", (8192, 8192), "float16", i) for i in range(4)]  # 4 x 128 MiB
-    descs = prod.call("publish", specs, timeout=120)
-    tickets = cons.load(refs_for(prod, descs))
-    cons.progress(0)
-    prod.kill()
-    t0 = time.monotonic()
-    try:
-        LoadBarrier(cons).wait(tickets)
-    except LoadFailed:
-        pass
-    assert time.monotonic() - t0 < 10.0
-    for t in tickets:
-        if t.state == "landed":
-            t.release()
-    cons.wait_for(lambda: cons.pool.stats().used == 0, 10)
-    assert cons.pool.stats().used == 0
-
-
-def test_consumer_gone_producer_leases_expire(make_producer, make_consumer, device):
-    """A consumer that held items and vanished: the producer frees them when leases end."""
-    prod = make_producer(announce_lease_s=0.5, grant_lease_s=0.5)
-    cons = make_consumer(mode="read")
-    prod.call("publish", [("orphan", (128, 128), "float32", 1)])
-    assert cons.hold(prod.address, ["orphan"], timeout=5)["orphan"].status == "ready"
-    cons.close()
-    deadline = time.monotonic() + 5
-    while prod.call("stats")["pool"]["used"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    st = prod.call("stats")
-    assert st["pool"]["used"] == 0 and st["counters"]["expired_leases"] == 1
 
 
 def test_publish_adopts_tensors_already_in_the_pool(device):
@@ -429,7 +361,7 @@ def test_barrier_timeout_cancels_and_reports(make_producer, make_consumer, devic
     with pytest.raises(LoadFailed) as e:
         LoadBarrier(cons).wait(tickets, timeout=0.3)
     assert time.monotonic() - t0 < 2.0
-    assert tickets[0].state == "failed" and "barrier" in e.value.failures["slow"]
+    assert state(tickets[0]) == "failed" and "barrier" in e.value.failures["slow"]
     assert cons.wait_for(lambda: cons.pool.stats().used == 0, 8), cons.pool.stats()
 
 
@@ -451,4 +383,42 @@ def test_publish_many_packs_a_step_and_cleans_up_on_error(make_consumer, device)
             prod.publish_many([("q0", items[1][1]), ("q1", torch.zeros(0, 3, device=device))])
         assert prod.pool.stats().used == used, "a failed batch must not keep slots"
         cons = make_consumer(mode="read")
-        fetch_and_check(cons, [ItemRef(desc=d, producer=prod.address) for d in descs[:9]], specs, device)
+        fetch(cons, [ItemRef(desc=d, producer=prod.address) for d in descs[:9]], specs, device)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of every thread of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_idle_pair_leaves_the_cpu_alone(make_producer, device, mode):
+    """A handshaken producer and consumer holding nothing must not busy-poll (NIXL's progress
+    thread sleeps on UCX's wake-up fds, the I/O thread on its poller): on a 2-core host a
+    spinning thread per endpoint starves everything else. The goal (2 % of a core per process)
+    is the bench's; this only catches a spinner. Work that arrives after the idle spell lands."""
+    prod = make_producer()
+    # Like a vLLM consumer worker: no I/O thread, NIXL driven by its own loads.
+    cons = ConsumerProcess(device=device, mode=mode, threaded=False, pool_bytes=64 << 20)
+    try:
+        def load(specs):
+            descs = prod.call("publish", specs)
+            got = cons.call("load", ([(d, prod.address, 0, 1) for d in descs], 10.0))
+            want = {h: digest(make_item(seed, shape, dtype, device)) for h, shape, dtype, seed in specs}
+            assert {h: (st, dg) for h, st, _, dg in got} == {h: ("landed", dg) for h, dg in want.items()}, got
+
+        load([(f"warm-{i}", (64, 1024), "bfloat16", i) for i in range(3)])
+        deadline = time.monotonic() + 5
+        while prod.call("stats")["pool"]["used"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        window = 4.0
+        before = {p: _cpu_s(p.pid) for p in (prod, cons)}
+        time.sleep(window)
+        use = {type(p).__name__: round((_cpu_s(p.pid) - c) / window, 3) for p, c in before.items()}
+        assert all(u < 0.05 for u in use.values()), f"idle CPU use in cores: {use} (a thread busy-polls)"
+        load([("after-idle", (64, 1024), "bfloat16", 9)])
+    finally:
+        cons.close()

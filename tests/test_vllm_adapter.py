@@ -443,3 +443,30 @@ def test_load_specs_carry_the_holding_producers_incarnation(producer, consumer_s
     sched.update_state_after_alloc(req, 0)
     spec = sched.build_connector_meta(None).loads[0]
     assert spec.incarnation == producer.incarnation and spec.incarnation
+
+
+def test_no_admission_while_a_hold_is_outstanding(producer, consumer_sides):
+    """Admission gating asked mid-hold: while a producer has not answered the Hold for an item
+    (it is frozen with SIGSTOP after the handshake), the request is not admitted and
+    has_cache_item says False on every step, so vLLM plans no load for it; once the producer
+    answers, both say yes and the worker loads the item byte-exact."""
+    vc, sched, worker = consumer_sides({"peer_timeout_s": "10"})
+    producer.call("publish", [("warm", (ROWS, WIDTH), "bfloat16", 1), ("held", (ROWS, WIDTH), "bfloat16", 2)])
+    assert admit(sched, request("w", [feature("warm")], params_for("warm", producer.address)))  # handshake done
+    req = request("h", [feature("held")], params_for("held", producer.address))
+    producer.stop()
+    try:
+        for _ in range(20):  # ~20 engine steps while the Hold is outstanding
+            assert sched.ensure_cache_available(req, 0) is False, "admitted before its producer held the item"
+            assert sched.has_cache_item("held") is False, "has_cache_item said yes before the producer did"
+            time.sleep(0.02)
+    finally:
+        producer.cont()
+    assert admit(sched, req), sched._reqs["h"]
+    assert sched.has_cache_item("held")
+    sched.update_state_after_alloc(req, 0)
+    meta = sched.build_connector_meta(None)
+    assert [s.desc.mm_hash for s in meta.loads] == ["held"]
+    cache: dict = {}
+    worker.start_load_caches(cache, meta)
+    assert digest(cache["held"]) == digest(make_item(2, (ROWS, WIDTH), "bfloat16"))

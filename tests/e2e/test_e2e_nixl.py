@@ -137,7 +137,7 @@ def nixl(baseline: Baseline, tiny_model: str, tmp_path_factory: pytest.TempPathF
                        # in the producers (ec-nixl drives NIXL itself; see docs/usage.md), and
                        # timeouts sized for threads that wait behind the instances' OpenMP spinners
                        # on the same core (the defaults, 5 s, detect dead peers on a normal host;
-                       # tests/test_reliability.py checks them).
+                       # tests/test_faults_peer_death.py checks them).
                        extra_config={"nixl_progress_thread": "false", "peer_timeout_s": "30",
                                      "load_timeout_s": "30"})
     with Cluster(cfg) as cluster:
