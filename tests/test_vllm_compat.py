@@ -122,3 +122,26 @@ def test_announcement_keeps_vllms_item_entry(tiny_model, sched, producer):
     for entry in (params, {h: {k: v for k, v in e.items() if k != "modality"} for h, e in params.items()}):
         items, errors = parse_params(entry, {"a": ROWS, "b": ROWS}, BF16)
         assert set(items) == {"a", "b"} and not errors
+
+
+def test_installed_vllm_is_in_the_supported_range(monkeypatch):
+    """CI runs every version of the range; the plugin warns (once per process, at registration)
+    about a vLLM outside it."""
+    import logging
+
+    import vllm
+
+    import ec_nixl.vllm as plugin
+
+    assert plugin.warn_if_untested(), f"vLLM {vllm.__version__} is tested here but outside SUPPORTED_VLLM"
+    monkeypatch.setattr(vllm, "__version__", "0.35.0.dev1+gabc")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("ec_nixl.vllm")  # (ec_nixl may not propagate: it logs like vLLM)
+    log.addHandler(handler)
+    try:
+        assert not plugin.warn_if_untested()
+    finally:
+        log.removeHandler(handler)
+    assert any("tested with vLLM 0.32 to 0.34; this is vLLM 0.35.0.dev1+gabc" in m for m in seen), seen
