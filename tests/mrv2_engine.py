@@ -50,6 +50,16 @@ SAMPLED_TOKEN = 1
 PROMPT_LEN = 48
 
 
+def build_tiny_model(out) -> str:
+    """The tiny random Qwen2-VL of the e2e tests (tests/e2e/build_tiny_vl.py), built offline at ``out``."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e", "build_tiny_vl.py")
+    subprocess.run([sys.executable, script, str(out)], check=True, capture_output=True, timeout=300)
+    return str(out)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,21 +16,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is part of the test environment")
 
-from mrv2_engine import ROWS, WIDTH, make_request, vllm_config  # noqa: E402
+from mrv2_engine import ROWS, WIDTH, build_tiny_model, make_request, vllm_config  # noqa: E402
 
 BF16 = "bfloat16"
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    import os
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("model") / "tiny-vl"
-    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "e2e", "build_tiny_vl.py"), str(out)],
-                   check=True, capture_output=True, timeout=300)
-    return str(out)
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-vl")
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from mrv2_engine import (  # noqa: E402
     WIDTH,
     MRv2Engine,
     ProducerEngineProcess,
+    build_tiny_model,
     encoded,
     make_request,
     vllm_config,
@@ -41,14 +42,7 @@ def params_for(producer_address: str, items: list[tuple[str, int]]) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    import os
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("model") / "tiny-vl"
-    subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "e2e", "build_tiny_vl.py"), str(out)],
-                   check=True, capture_output=True, timeout=300)
-    return str(out)
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-vl")
 
 
 @pytest.fixture(scope="module")
@@ -88,23 +82,19 @@ def engine(configs):
         e.shutdown()
 
 
+@pytest.fixture(scope="module")
+def compat(tiny_model) -> dict:
+    """What an engine built from the tiny model expects of its peers (ec_nixl.vllm.options.compat_fields)."""
+    return {"model": tiny_model, "dtype": BF16, "ec_nixl": 1}
+
+
 @pytest.fixture
-def producer():
+def producer(compat):
     from peers import ProducerProcess
 
-    p = ProducerProcess(device="cpu", pool_bytes=32 << 20, compat=_compat(), nixl_progress_thread=False)
+    p = ProducerProcess(device="cpu", pool_bytes=32 << 20, compat=compat, nixl_progress_thread=False)
     yield p
     p.close()
-
-
-def _compat() -> dict:
-    """What a PD engine built from the tiny model expects its producers to match."""
-    return {"model": _compat.model, "dtype": BF16, "ec_nixl": 1}
-
-
-@pytest.fixture(autouse=True)
-def _compat_model(tiny_model):
-    _compat.model = tiny_model
 
 
 def finish_reason(engine: MRv2Engine, rid: str) -> str:
@@ -287,7 +277,7 @@ def test_e_engine_saves_only_new_keys_and_reannounces_cached_items(e_engine, eng
     assert torch.equal(pd.rows("pd2"), torch.cat([encoded(61), encoded(63)]))
 
 
-def test_ec_both_saves_and_announces_only_what_it_encoded(producer, engine):
+def test_ec_both_saves_and_announces_only_what_it_encoded(producer, engine, compat):
     """ec_both loads one image from a producer and encodes the other: MRv2's snapshot after
     ``start_load_caches`` keeps the loaded key out of ``save_caches``; the engine pins and
     announces only the image it encoded, and serves it to a consumer byte exact."""
@@ -312,7 +302,7 @@ def test_ec_both_saves_and_announces_only_what_it_encoded(producer, engine):
 
     items, errors = parse_params(announced, {"local": ROWS}, BF16)
     assert not errors
-    c = ConsumerProcess(device="cpu", pool_bytes=8 << 20, compat=_compat(), nixl_progress_thread=False)
+    c = ConsumerProcess(device="cpu", pool_bytes=8 << 20, compat=compat, nixl_progress_thread=False)
     try:
         got = c.call("load", ([(items["local"].desc, items["local"].producer, 0, 1)], 10))
         from peers import digest
@@ -335,7 +325,7 @@ def _vllm_is_cpu_build() -> bool:
         return False
 
 
-def test_encode_only_runner_serves_its_real_vision_tower(tiny_model):
+def test_encode_only_runner_serves_its_real_vision_tower(tiny_model, compat):
     """vLLM's ``MMEncoderModelRunner`` (MRv2's encode-only runner) with NixlECConnector, in its own
     process (tests/mrv2_encoder_runner.py): built on the CPU with vLLM's CPU-worker shim, its real
     Qwen2-VL vision tower encodes inside the runner's own ``ec_connector.maybe_get_output``, vLLM's
@@ -373,7 +363,7 @@ def test_encode_only_runner_serves_its_real_vision_tower(tiny_model):
             assert info["shape"] == [ROWS, WIDTH] and info["dtype"] == BF16
             items, errors = parse_params(info["params"], {"real-vit": ROWS}, BF16)
             assert not errors and set(items) == {"real-vit"}
-            c = ConsumerProcess(device="cpu", pool_bytes=8 << 20, compat=_compat(), nixl_progress_thread=False)
+            c = ConsumerProcess(device="cpu", pool_bytes=8 << 20, compat=compat, nixl_progress_thread=False)
             try:
                 got = c.call("load", ([(items["real-vit"].desc, items["real-vit"].producer, 0, 1)], 20))
             finally:
