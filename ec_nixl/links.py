@@ -249,6 +249,18 @@ class Links:
         """The producer went away: fail what waits on it (the listener quarantines what a DMA
         may touch), then drop the link."""
         logger.warning("ec-nixl: %s", error)
+        self._end(link, error)
+
+    def replace(self, link: Link, why: str) -> Link:
+        """Drop a ready link and connect to its address afresh: the caller was told of another
+        incarnation than the link's, so the link may lead to a process that is gone (an
+        unthreaded endpoint learns of disconnects only when it runs). The new link's handshake
+        says who answers now."""
+        logger.info("ec-nixl: reconnecting to %s: %s", link.address, why)
+        self._end(link, why)
+        return self.get(link.address)
+
+    def _end(self, link: Link, error: str) -> None:
         link.move(LinkState.LOST)
         self.listener.on_down(link, error, "PEER_LOST")
         self._finish_queries(link, "UNREACHABLE", error)
@@ -281,12 +293,13 @@ class Links:
     # --- incoming --------------------------------------------------------------------
 
     def _on_monitor(self, link: Link) -> None:
-        try:
-            ev = recv_monitor_message(link.monitor, zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        if ev.get("event") == zmq.EVENT_DISCONNECTED and link.state is LinkState.READY:
-            self.lose(link, f"producer {link.address} disconnected")
+        while link.state is not LinkState.LOST:
+            try:
+                ev = recv_monitor_message(link.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if ev.get("event") == zmq.EVENT_DISCONNECTED and link.state is LinkState.READY:
+                self.lose(link, f"producer {link.address} disconnected")
 
     def _on_readable(self, link: Link) -> None:
         for _ in range(64):
@@ -322,6 +335,10 @@ class Links:
             return
         if isinstance(msg, P.Refused) and (link.state is LinkState.CONNECTING or msg.req == 0):
             return self.fail(link, f"producer {link.address} refused: {msg.reason}: {msg.detail}", msg.reason)
+        if isinstance(msg, P.Refused) and msg.reason == P.Nack.UNKNOWN_SESSION.value:
+            # Our session is gone there (the producer restarted, or dropped our connection as
+            # silent): nothing more can be done on this link; the next request reconnects.
+            return self.lose(link, f"producer {link.address} no longer knows our session: {msg.detail}")
         q = link.queries.pop(msg.req, None) if isinstance(msg, (P.Refused, P.Grant, P.StatsReply)) else None
         if q is not None:
             if isinstance(msg, P.Refused):

@@ -5,6 +5,11 @@ producer's slot (pull; at once when a Hold already told where it is, else after 
 Push asking the producer to WRITE into our slot. A round's items from one producer travel as one
 NIXL request. ``LoadTicket``s report the outcome; ``LoadBarrier`` waits on them.
 
+An ``ItemRef`` that names the producer incarnation whose Hold it came from is loaded from that
+incarnation only: a link to another one is replaced (it may lead to a process that is gone), and
+if the address then answers as another incarnation the item fails ``RESTARTED`` (retryable), so
+the caller can get it elsewhere; nothing is ever asked of a process that did not hold it.
+
 Every failure goes through ``fail``, which alone decides what happens to the slot: released when
 no DMA can touch it, quarantined (or kept with its transfer until NIXL lets go of it) when one
 may. So a slot is never reused while a transfer might still write it, and never leaked.
@@ -97,6 +102,10 @@ class Loader:
                 self.fail(t, str(e), "BAD_REQUEST")
         good = [t for t in tickets if t.pending]
         if good:
+            if self.loop.is_owner and not self.loop.threaded:
+                # Unthreaded: take in what happened since we last ran (a producer that went away
+                # left a disconnect in its link's monitor) before any load picks a link.
+                self.loop.progress(0.0)
             self.loop.call(lambda: self._start(good))
         return tickets
 
@@ -165,6 +174,9 @@ class Loader:
             if not t.pending:
                 continue
             link = self.links.get(t.ref.producer)
+            if link.state is LinkState.READY and self._other_incarnation(t, link) and not self._in_use(link):
+                link = self.links.replace(link, f"item {t.mm_hash} was held by incarnation {t.ref.incarnation}, "
+                                                f"the link leads to {link.incarnation}")
             self.links.wake(link)
             if link.state is LinkState.FAILED:
                 self.fail(t, link.error, link.reason or "UNREACHABLE")
@@ -180,8 +192,19 @@ class Loader:
             lane = self._lanes[link] = _Lane()
         return lane
 
+    @staticmethod
+    def _other_incarnation(t: LoadTicket, link: Link) -> bool:
+        return bool(t.ref.incarnation) and t.ref.incarnation != link.incarnation
+
+    def _in_use(self, link: Link) -> bool:
+        return self.links.busy(link) or any(r.pending and r.ref.producer == link.address for r in self._reads)
+
     def _dispatch(self, link: Link, t: LoadTicket) -> None:
         """Reserve the slot and ask for the item the way this link prefers."""
+        if self._other_incarnation(t, link):
+            return self.fail(t, f"item {t.mm_hash}: producer {t.ref.producer} restarted since it held the item "
+                                f"(held by incarnation {t.ref.incarnation}, {link.incarnation} answers now)",
+                             "RESTARTED", retryable=True)
         if t.slot is None:
             try:
                 t.slot = self.pool.allocate(t.ref.desc.nbytes, tag=t.mm_hash)
@@ -197,8 +220,7 @@ class Loader:
         if link.mode == "write":
             t.enter(Phase.PUSH)
             lane.push_queue.append(t)
-        elif t.ref.block >= 0 and time.time() < t.ref.valid_until and \
-                t.ref.incarnation in ("", link.incarnation):
+        elif t.ref.block >= 0 and time.time() < t.ref.valid_until:
             t.enter(Phase.READ_QUEUED)
             lane.read_queue.append((t, t.ref.block))
         else:
@@ -372,12 +394,22 @@ class Loader:
             else:
                 self.fail(t, f"READ from {t.ref.producer} failed (NIXL ERR)", "XFER_ERR")
         self._reads = still
+        now = time.monotonic()
         for x, tickets in done.values():
             self._record(x, tickets[0].t_post)
+            landed = []
             for t in tickets:
                 t.xfer = None
-                self._landed(t)
-            self._notify_read(tickets)
+                if now > t.deadline:
+                    # Seen done only after its deadline (this process was stopped or starved):
+                    # the producer may have reclaimed the slot and reused it before the READ ran.
+                    self.fail(t, f"{self._timeout_msg(t)}: its READ was seen done only after the deadline, "
+                                 f"its bytes are not trusted", "TIMEOUT", retryable=True, settled=True)
+                else:
+                    self._landed(t)
+                    landed.append(t)
+            if landed:
+                self._notify_read(landed)
 
     def _record(self, x: Xfer, t_post: float) -> None:
         """Telemetry of one finished request (all its items), then release it."""
