@@ -5,7 +5,10 @@ remote item's producer has confirmed, over the control plane, that the item is r
 us (a lease, renewed while the request waits). Only then does ``has_cache_item`` say True, so the
 scheduler never plans an external load that cannot land. An item that cannot be had is encoded
 locally when the request carries its media, otherwise the request fails with a message naming
-the item and the reason; it never reaches the gather missing. The holds go through this process's
+the item and the reason; it never reaches the gather missing. A load that fails after admission
+(its producer died or restarted in between) is encoded by the worker in the same step when the
+request carries the media (counted as a late fallback), else its request fails the same way.
+The holds go through this process's
 own control-only endpoint, not through worker hooks, which vLLM skips on steps with no tokens.
 
 Producer: ``request_finished`` announces each encoded item (shape, dtype, bytes, producer
@@ -14,6 +17,7 @@ address) in ``ec_transfer_params`` and returns False (delay-free would leak the 
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,7 +34,12 @@ from ec_nixl.vllm.stats import NixlECConnectorStats, merge_data
 logger = logging.getLogger("ec_nixl.vllm")
 
 _RETRY = {P.Nack.NOT_READY.value, P.Nack.BUSY.value, "TIMEOUT"}
+OUTCOME_KEY = "ec_nixl_consumer"
+"""Key of a consumer's answer ``ec_transfer_params``: {"loaded": [...], "local": [...]} mm hashes."""
 _HOLD_REFRESH_S = 0.5  # re-hold a waiting request's items when less than this fraction of the lease is left
+_STEPS_KEPT = 4
+"""Metadata objects whose SchedulerOutput reference is kept: more than the steps vLLM has in
+flight, so every worker has used it before it is cleared (which breaks the reference cycle)."""
 
 
 @dataclass
@@ -71,6 +80,7 @@ class SchedulerSide:
         self._publish: list[str] = []
         self._release: list[str] = []
         self._loaded: set[str] = set()  # remote items handed to workers, not yet released
+        self._with_step: collections.deque[NixlECMetadata] = collections.deque()
         self._resolver = None
         self._media_fields: dict[str, set[str]] = {}
         self._width_warned = False
@@ -242,8 +252,12 @@ class SchedulerSide:
         if self.place.is_consumer:
             spec = self._ready.get(h)
             if spec is not None:
+                adm = self._reqs.get(request.request_id)
+                it = adm.items.get(h) if adm is not None else None
+                media = it.has_media if it is not None else self._has_media(request.mm_features[index])
                 self._loads.append(LoadSpec(request.request_id, spec.desc, spec.producer, spec.block,
-                                            spec.valid_until, spec.incarnation))
+                                            spec.valid_until, spec.incarnation, index,
+                                            media and self.opts.fallback == "auto"))
                 self._loaded.add(h)
         if self.place.is_producer:
             self._publish.append(h)
@@ -258,6 +272,11 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output) -> NixlECMetadata:
         meta = NixlECMetadata(loads=self._loads, publish=self._publish, release=self._release)
         self._loads, self._publish, self._release = [], [], []
+        if meta.loads:  # workers may add a failed load to this step's encoder inputs (WorkerSide)
+            meta.step = scheduler_output
+            self._with_step.append(meta)
+            while len(self._with_step) > _STEPS_KEPT:
+                self._with_step.popleft().step = None
         return meta
 
     def update_connector_output(self, output) -> None:
@@ -267,6 +286,14 @@ class SchedulerSide:
         for rank, req_id, h, why in m.failed:
             logger.error("request %s failed: encoder output %s did not land on rank %d: %s", req_id, h, rank, why)
             self._unavailable.add(req_id)
+        for (req_id, h), why in {(r, h): why for _, r, h, why in m.rerouted}.items():  # once, whatever the ranks
+            logger.warning("request %s: encoder output %s did not land (%s); encoded locally in the same step",
+                           req_id, h, why)
+            adm = self._reqs.get(req_id)
+            if adm is not None and h in adm.items:
+                adm.items[h].status = "local"
+            self.metrics.count("local_fallbacks")
+            self.metrics.count("late_fallbacks")
         if m.stats:
             self._worker_stats = merge_data(self._worker_stats, m.stats)
 
@@ -275,6 +302,15 @@ class SchedulerSide:
         return out
 
     # ================================================================ producer: announcements
+
+    @staticmethod
+    def _outcome(adm: Optional[_Admission]) -> Optional[dict]:
+        """Consumer: which announced items were loaded and which encoded here (the answer's
+        ``ec_transfer_params``, non-streamed answers only; for clients, proxies and tests)."""
+        if adm is None or not adm.items:
+            return None
+        return {OUTCOME_KEY: {"loaded": sorted(h for h, it in adm.items.items() if it.status == "ready"),
+                              "local": sorted(h for h, it in adm.items.items() if it.status == "local")}}
 
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
         adm = self._reqs.pop(request.request_id, None)
@@ -287,9 +323,9 @@ class SchedulerSide:
                         del self._users[h]
                         self._ready.pop(h, None)
         if not self.place.is_producer or not request.mm_features:
-            return False, None
+            return False, self._outcome(adm)
         if self.place.is_consumer and adm is not None:
-            return False, None  # ec_both: this request's items came from elsewhere
+            return False, self._outcome(adm)  # ec_both: this request's items came from elsewhere
         items = {}
         for f in request.mm_features:
             width = self._width(f.modality)
