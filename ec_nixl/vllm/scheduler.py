@@ -48,6 +48,7 @@ class _Item:
     has_media: bool
     offset_end: int  # placeholder offset + length: consumed once num_computed_tokens passes it
     status: str = "holding"  # holding | ready | local | failed
+    loaded: bool = False  # handed to the workers as a load (vLLM did not have it cached)
     hold: Optional[HoldRequest] = None
     next_try: float = 0.0
     detail: str = ""
@@ -255,6 +256,8 @@ class SchedulerSide:
                 adm = self._reqs.get(request.request_id)
                 it = adm.items.get(h) if adm is not None else None
                 media = it.has_media if it is not None else self._has_media(request.mm_features[index])
+                if it is not None:
+                    it.loaded = True
                 self._loads.append(LoadSpec(request.request_id, spec.desc, spec.producer, spec.block,
                                             spec.valid_until, spec.incarnation, index,
                                             media and self.opts.fallback == "auto"))
@@ -309,8 +312,9 @@ class SchedulerSide:
         ``ec_transfer_params``, non-streamed answers only; for clients, proxies and tests)."""
         if adm is None or not adm.items:
             return None
-        return {OUTCOME_KEY: {"loaded": sorted(h for h, it in adm.items.items() if it.status == "ready"),
-                              "local": sorted(h for h, it in adm.items.items() if it.status == "local")}}
+        items = adm.items.items()
+        return {OUTCOME_KEY: {"loaded": sorted(h for h, it in items if it.loaded and it.status == "ready"),
+                              "local": sorted(h for h, it in items if it.status == "local")}}
 
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
         adm = self._reqs.pop(request.request_id, None)
