@@ -244,6 +244,10 @@ class Links:
         link.t_start = time.monotonic()
         self.listener.on_down(link, error, reason)
         self._finish_queries(link, reason, error)
+        # The link stays (callers fail fast) but its socket goes: ZMQ would keep reconnecting to a
+        # dead address in the background (and on loopback may even connect to itself, taking the
+        # port a restarting producer needs).
+        self._close_sockets(link)
 
     def lose(self, link: Link, error: str) -> None:
         """The producer went away: fail what waits on it (the listener quarantines what a DMA
@@ -278,6 +282,14 @@ class Links:
             del self._links[link.address]
         if self._by_session.get(link.session) is link:
             del self._by_session[link.session]
+        self._close_sockets(link)
+        if self.transport is not None and link.name and link.name in self.transport.peers:
+            self.transport.forget_peer(link.name)
+        self.listener.on_dropped(link)
+
+    def _close_sockets(self, link: Link) -> None:
+        if link.sock.closed:
+            return
         self.loop.remove_socket(link.sock)
         self.loop.remove_socket(link.monitor)
         try:
@@ -286,14 +298,11 @@ class Links:
             pass
         link.monitor.close(0)
         link.sock.close(0)
-        if self.transport is not None and link.name and link.name in self.transport.peers:
-            self.transport.forget_peer(link.name)
-        self.listener.on_dropped(link)
 
     # --- incoming --------------------------------------------------------------------
 
     def _on_monitor(self, link: Link) -> None:
-        while link.state is not LinkState.LOST:
+        while not link.monitor.closed:
             try:
                 ev = recv_monitor_message(link.monitor, zmq.NOBLOCK)
             except zmq.Again:
