@@ -8,8 +8,9 @@ is told when a link becomes ready, goes down, or delivers a reply that is not a 
 and it says whether it has work on a link (only then does a producer's silence count).
 
 A link never blocks: handshakes are resent with back-off, a silent producer is declared lost
-after ``peer_timeout_s`` while work is pending, and a link that failed stays failed for a short
-while so that callers fail fast instead of hammering a dead address.
+after ``peer_timeout_s`` while work is pending (and after ``link_timeout_s`` without answering
+transport-level pings, idle or not), and a link that failed stays failed for a short while, its
+socket closed, so that callers fail fast instead of hammering a dead address.
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ class Links:
         sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        handshake.keep_alive(sock, self.cfg)  # a producer that stops answering is dropped, idle or not
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         host, port = split_address(address)
         sock.connect(f"tcp://{host}:{port}")

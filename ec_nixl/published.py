@@ -327,8 +327,8 @@ class Published:
         """A session ended: its pins go, and its group's interest unless the group lives on.
 
         An item that only this (now gone) group held has nobody left to read it: its lease is cut
-        to ``consumer_timeout_s`` (a reconnecting consumer that claims it again keeps it)."""
-        until = time.monotonic() + self.cfg.consumer_timeout_s
+        to ``link_timeout_s`` (a reconnecting consumer that claims it again keeps it)."""
+        until = time.monotonic() + self.cfg.link_timeout_s
         with self._lock:
             items = list(self._items.values())
             for item in items:

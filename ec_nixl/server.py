@@ -10,8 +10,8 @@ who may do what with them. One bad request is refused with its reason and never 
 server down.
 
 A consumer that goes away loses its sessions within a bounded time: ZMQ pings every connection
-from its own I/O thread (ZMTP heartbeats) and drops one that answers nothing for
-``consumer_timeout_s`` (a stopped or hung process; a killed one closes at once). A socket monitor
+from its own I/O thread (``handshake.keep_alive``) and drops one that answers nothing for
+``link_timeout_s`` (a stopped or hung process; a killed one closes at once). A socket monitor
 reports each dropped connection, the file descriptor every request arrived on says whose it was,
 and a probe (a send that ZMQ refuses once the peer's route is gone) confirms it before the
 sessions end: their pins, pushes and interest go, and what only they held is freed soon after.
@@ -62,10 +62,7 @@ class Server:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.heartbeat_s * 1000)))
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(cfg.consumer_timeout_s * 1000)))
-        # ... and consumers drop a connection to us that stays silent as long (we are stopped)
-        self._sock.setsockopt(zmq.HEARTBEAT_TTL, min(6553500, max(100, int(cfg.consumer_timeout_s * 1000))))
+        handshake.keep_alive(self._sock, cfg)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._fd_of: dict[bytes, int] = {}  # consumer identity -> connection its last request came on
         self._suspects: dict[bytes, list[float]] = {}  # identity -> when to probe it (connection dropped)

@@ -153,6 +153,24 @@ def test_read_seen_done_after_its_deadline_is_not_handed_over(procs, make_consum
     assert cons.wait_for(lambda: cons.pool.stats().used == 0 and cons.pool.stats().quarantined == 0, 5)
 
 
+def test_idle_link_to_a_producer_that_stops_answering_is_dropped(procs, control, device):
+    """A producer frozen (SIGSTOP: its sockets stay open) answers no ping: an idle consumer drops
+    its link after ``link_timeout_s``, so no later load is sent into the frozen process's session."""
+    timeout = 1.0
+    prod = procs(device=device, link_timeout_s=timeout, heartbeat_s=0.2)
+    sched = control(link_timeout_s=timeout, heartbeat_s=0.2)
+    prod.call("publish", [("p", (16, 16), "float32", 1)])
+    hold(sched, prod.address, "p")
+    assert sched.links.find(prod.address) is not None
+    prod.stop()
+    t0 = time.monotonic()
+    try:
+        assert wait_until(lambda: sched.links.find(prod.address) is None, 10 * timeout + 10)
+        timing("producer SIGSTOP: idle consumer dropped its link after", time.monotonic() - t0)
+    finally:
+        prod.cont()
+
+
 # --------------------------------------------------------------------------------------------
 # (3) a consumer that stops answering
 
@@ -161,10 +179,10 @@ def test_read_seen_done_after_its_deadline_is_not_handed_over(procs, make_consum
 def test_producer_reclaims_a_consumer_that_stops_answering(procs, device, how):
     """A consumer holds items (one also held by a live consumer, one only by itself, one pinned
     by a READ grant) and then stops answering (frozen: its sockets stay open) or dies. The
-    producer ends its session within ``consumer_timeout_s`` (ZMQ pings it; a dead one closes at
+    producer ends its session within ``link_timeout_s`` (ZMQ pings it; a dead one closes at
     once), frees what only it held a grace period later, and the live consumer is untouched."""
     timeout = 1.0
-    prod = procs(device=device, consumer_timeout_s=timeout, heartbeat_s=0.2, announce_lease_s=120.0,
+    prod = procs(device=device, link_timeout_s=timeout, heartbeat_s=0.2, announce_lease_s=120.0,
                  grant_lease_s=120.0)
     address = prod.address
     gone = procs(ConsumerProcess, device=device, mode="read")
@@ -201,9 +219,9 @@ def test_producer_reclaims_a_consumer_that_stops_answering(procs, device, how):
 
 
 def test_idle_consumer_keeps_its_session(procs, make_consumer, device):
-    """An unthreaded consumer that does not run at all for several ``consumer_timeout_s`` (a vLLM
+    """An unthreaded consumer that does not run at all for several ``link_timeout_s`` (a vLLM
     worker between requests) keeps its session: ZMQ answers the pings, not the endpoint."""
-    prod = procs(device=device, consumer_timeout_s=0.5, heartbeat_s=0.1)
+    prod = procs(device=device, link_timeout_s=0.5, heartbeat_s=0.1)
     cons = make_consumer(mode="read", pool_bytes=SMALL)
     desc = prod.call("publish", [("i", (32, 32), "float32", 6)])[0]
     landed(cons, [ItemRef(desc=desc, producer=prod.address)], 6, (32, 32))
@@ -217,9 +235,9 @@ def test_idle_consumer_keeps_its_session(procs, make_consumer, device):
 
 
 def test_consumer_whose_session_was_reclaimed_reconnects(procs, make_consumer, device):
-    """A consumer frozen past ``consumer_timeout_s`` comes back: the producer dropped its
+    """A consumer frozen past ``link_timeout_s`` comes back: the producer dropped its
     connection and session, so its link is lost and the next load connects afresh."""
-    prod = procs(device=device, consumer_timeout_s=0.5, heartbeat_s=0.1)
+    prod = procs(device=device, link_timeout_s=0.5, heartbeat_s=0.1)
     cons = procs(ConsumerProcess, device=device, mode="read")
     desc = prod.call("publish", [("k", (32, 32), "float32", 8)])[0]
     assert cons.call("load", ([(desc, prod.address, 0, 1)], 10))[0][1] == "landed"

@@ -22,7 +22,7 @@ What the cases prove:
 * consumer killed while the encoder holds items for it: a request whose first image the encoder
   has (held at once) and whose second it does not (the PD keeps asking, ``missing_grace_s``) keeps
   the hold in place; the PD's process group is SIGKILLed. The encoder ends the PD's sessions and
-  frees the held item within ``consumer_timeout_s``; the PD restarted on the same ports serves
+  frees the held item within ``link_timeout_s``; the PD restarted on the same ports serves
   requests remotely, token-identical, and both pools end empty.
 
     pytest -m e2e tests/e2e/test_e2e_restarts.py -v -s
@@ -61,12 +61,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 PERIOD_S = 0.3  # one request started every PERIOD_S (or as soon as the previous one answered)
 RESTARTS = 2
 REMOTE_AFTER = 5  # remote-served requests needed after each restart before going on
-CONSUMER_TIMEOUT_S = 15.0
+LINK_TIMEOUT_S = 15.0
 TIMERS = {
     # Two cores for three vLLM instances plus restarts: no spinning NIXL progress thread, and
     # timeouts sized for threads waiting behind OpenMP spinners (see test_e2e_nixl.py).
     "nixl_progress_thread": "false", "peer_timeout_s": "15", "load_timeout_s": "15",
-    "consumer_timeout_s": str(CONSUMER_TIMEOUT_S),
+    "link_timeout_s": str(LINK_TIMEOUT_S),
     "missing_grace_s": "10",  # the consumer case keeps a request waiting on a missing item this long
 }
 OUTCOME = "ec_nixl_consumer"
@@ -356,14 +356,14 @@ def test_consumer_killed_while_the_encoder_holds_items_for_it(rig: Restarts, bas
             marks["sessions"] = time.monotonic() - t_kill
         return s["items"] == 0 and s["pool"]["used"] == 0
 
-    assert wait_until(encoder_freed, CONSUMER_TIMEOUT_S + 20), (
+    assert wait_until(encoder_freed, LINK_TIMEOUT_S + 20), (
         f"the encoder still holds what the dead PD held: {rig.encoder_stats()} {rig.logs()}")
     freed = time.monotonic() - t_kill
     print(f"[timing] consumer SIGKILLed while held for: encoder ended its sessions after "
           f"{marks.get('sessions', float('nan')):.2f} s, freed the held item after {freed:.1f} s "
-          f"(consumer_timeout_s={CONSUMER_TIMEOUT_S:g})")
+          f"(link_timeout_s={LINK_TIMEOUT_S:g})")
     assert "sessions" in marks, "the encoder did not reclaim the dead PD's sessions"
-    assert freed < CONSUMER_TIMEOUT_S + 10
+    assert freed < LINK_TIMEOUT_S + 10
     client.join(REQUEST_TIMEOUT_S)
 
     t0 = time.monotonic()
