@@ -224,7 +224,7 @@ def test_consumer_loads_byte_exact_and_releases(producer, consumer_sides):
     worker.start_load_caches(cache, meta2)
     assert cache["img0"] is not view and torch.equal(cache["img0"], make_item(5, (ROWS, WIDTH), "bfloat16"))
     assert worker.endpoint.pool.stats().used == 0
-    assert sched.request_finished(req) == (False, None)
+    assert sched.request_finished(req) == (False, {"ec_nixl_consumer": {"loaded": ["img0"], "local": []}})
     stats = sched.get_stats()
     assert stats.reduce()["loads_landed"] == 1 and took < 5
 

@@ -8,7 +8,10 @@ goes to the workers as a *prefetch* in the next step's metadata; while other req
 request itself is admitted one step later, so its transfer overlaps that step and the step that
 gathers it only passes the barrier. An item that cannot be had is encoded
 locally when the request carries its media, otherwise the request fails with a message naming
-the item and the reason; it never reaches the gather missing. The holds go through this process's
+the item and the reason; it never reaches the gather missing. A load that fails after admission
+(its producer died or restarted in between) is encoded by the worker in the same step when the
+request carries the media (counted as a late fallback), else its request fails the same way.
+The holds go through this process's
 own control-only endpoint, not through worker hooks, which vLLM skips on steps with no tokens.
 
 Producer: ``request_finished`` announces each encoded item (shape, dtype, bytes, producer
@@ -17,6 +20,7 @@ address) in ``ec_transfer_params`` and returns False (delay-free would leak the 
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -33,7 +37,12 @@ from ec_nixl.vllm.stats import NixlECConnectorStats, merge_data
 logger = logging.getLogger("ec_nixl.vllm")
 
 _RETRY = {P.Nack.NOT_READY.value, P.Nack.BUSY.value, "TIMEOUT"}
+OUTCOME_KEY = "ec_nixl_consumer"
+"""Key of a consumer's answer ``ec_transfer_params``: {"loaded": [...], "local": [...]} mm hashes."""
 _HOLD_REFRESH_S = 0.5  # re-hold a waiting request's items when less than this fraction of the lease is left
+_STEPS_KEPT = 4
+"""Metadata objects whose SchedulerOutput reference is kept: more than the steps vLLM has in
+flight, so every worker has used it before it is cleared (which breaks the reference cycle)."""
 
 
 @dataclass
@@ -42,6 +51,7 @@ class _Item:
     has_media: bool
     offset_end: int  # placeholder offset + length: consumed once num_computed_tokens passes it
     status: str = "holding"  # holding | ready | local | failed
+    loaded: bool = False  # handed to the workers as a load (vLLM did not have it cached)
     hold: Optional[HoldRequest] = None
     next_try: float = 0.0
     detail: str = ""
@@ -89,6 +99,7 @@ class SchedulerSide:
         self._publish: list[str] = []
         self._release: list[str] = []
         self._loaded: set[str] = set()  # remote items handed to workers, not yet released
+        self._with_step: collections.deque[NixlECMetadata] = collections.deque()
         self._resolver = None
         self._media_fields: dict[str, set[str]] = {}
         self._width_warned = False
@@ -288,8 +299,14 @@ class SchedulerSide:
         h = request.mm_features[index].identifier
         spec = self._ready.get(h) if self.place.is_consumer else None
         if spec is not None:
+            adm = self._reqs.get(request.request_id)
+            it = adm.items.get(h) if adm is not None else None
+            media = it.has_media if it is not None else self._has_media(request.mm_features[index])
+            if it is not None:
+                it.loaded = True
             self._loads.append(LoadSpec(request.request_id, spec.desc, spec.producer, spec.block,
-                                        spec.valid_until, spec.incarnation))
+                                        spec.valid_until, spec.incarnation, index,
+                                        media and self.opts.fallback == "auto"))
             self._loaded.add(h)
             self._prefetched.discard(h)
         elif self.place.is_producer:
@@ -308,6 +325,11 @@ class SchedulerSide:
         self._loads, self._prefetch, self._publish, self._release = [], [], [], []
         self._busy = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0
         self._step += 1
+        if meta.loads:  # workers may add a failed load to this step's encoder inputs (WorkerSide)
+            meta.step = scheduler_output
+            self._with_step.append(meta)
+            while len(self._with_step) > _STEPS_KEPT:
+                self._with_step.popleft().step = None
         return meta
 
     def update_connector_output(self, output) -> None:
@@ -323,6 +345,14 @@ class SchedulerSide:
                 # is failed one step later; until then ensure_cache_available keeps it from being
                 # scheduled again (no further tokens computed from the placeholder).
                 adm.failed = f"encoder output {h} did not land on rank {rank}: {why}"
+        for (req_id, h), why in {(r, h): why for _, r, h, why in m.rerouted}.items():  # once, whatever the ranks
+            logger.warning("request %s: encoder output %s did not land (%s); encoded locally in the same step",
+                           req_id, h, why)
+            adm = self._reqs.get(req_id)
+            if adm is not None and h in adm.items:
+                adm.items[h].status = "local"
+            self.metrics.count("local_fallbacks")
+            self.metrics.count("late_fallbacks")
         if m.stats:
             self._worker_stats = merge_data(self._worker_stats, m.stats)
 
@@ -331,6 +361,16 @@ class SchedulerSide:
         return out
 
     # ================================================================ producer: announcements
+
+    @staticmethod
+    def _outcome(adm: Optional[_Admission]) -> Optional[dict]:
+        """Consumer: which announced items were loaded and which encoded here (the answer's
+        ``ec_transfer_params``, non-streamed answers only; for clients, proxies and tests)."""
+        if adm is None or not adm.items:
+            return None
+        items = adm.items.items()
+        return {OUTCOME_KEY: {"loaded": sorted(h for h, it in items if it.loaded and it.status == "ready"),
+                              "local": sorted(h for h, it in items if it.status == "local")}}
 
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
         adm = self._reqs.pop(request.request_id, None)
@@ -348,7 +388,7 @@ class SchedulerSide:
                             self._prefetched.discard(h)
                             self._release.append(h)
         if not self.place.is_producer or not request.mm_features:
-            return False, None
+            return False, self._outcome(adm)
         items = {}
         for f in request.mm_features:
             if f.identifier in loaded_here:
