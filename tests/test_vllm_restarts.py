@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from peers import ProducerProcess, digest, make_item
-from test_reliability import timing
+from helpers import timing
 
 vllm = pytest.importorskip("vllm", reason="the vLLM CPU build is part of the test environment")
 
