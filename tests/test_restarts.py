@@ -4,9 +4,9 @@ that stops answering loses its sessions, holds and leases in bounded time.
 
 Producers and killed consumers are real processes (``peers``) moving real bytes over NIXL DRAM.
 The consumer under test usually runs here unthreaded, like a vLLM consumer worker (it runs only
-when a load asks it to). The vLLM adapter's side (a load failing after admission is
-encoded in the same step) is in tests/test_vllm_restarts.py. Timings print as ``[timing] what: N s`` (``pytest -s``;
-docs/RELIABILITY.md quotes them).
+when a load asks it to). The vLLM adapter's side (a load failing after admission is encoded in
+the same step) is in tests/test_vllm_restarts.py. Timings print as ``[timing] what: N s``
+(``pytest -s``; docs/RELIABILITY.md quotes them).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ec_nixl.errors import LoadFailed
 from ec_nixl.tickets import ItemRef
 from peers import ConsumerProcess, digest, make_item
 from test_reliability import SMALL, procs, timing, wait_until  # noqa: F401  (procs: a fixture)
+
 
 @pytest.fixture
 def control():
