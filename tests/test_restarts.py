@@ -4,9 +4,9 @@ that stops answering loses its sessions, holds and leases in bounded time.
 
 Producers and killed consumers are real processes (``peers``) moving real bytes over NIXL DRAM.
 The consumer under test usually runs here unthreaded, like a vLLM consumer worker (it runs only
-when a load asks it to). The vLLM adapter's side (a load failing after admission is
-encoded in the same step) is in tests/test_vllm_restarts.py. Timings print as ``[timing] what: N s`` (``pytest -s``;
-docs/RELIABILITY.md quotes them).
+when a load asks it to). The vLLM adapter's side (a load failing after admission is encoded in
+the same step) is in tests/test_vllm_restarts.py. Timings print as ``[timing] what: N s``
+(``pytest -s``; docs/RELIABILITY.md quotes them).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from helpers import SMALL, timing, wait_until  # noqa: F401
 def procs(make_peer):
     """Peer processes of a test (the shared ``make_peer`` factory)."""
     return make_peer
+
 
 
 @pytest.fixture
