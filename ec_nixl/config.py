@@ -45,10 +45,17 @@ class EndpointConfig:
     backends: tuple = ("UCX",)
     backend_params: dict = field(default_factory=dict)
     nixl_progress_thread: Optional[bool] = None
-    """Run NIXL's own progress thread (it spins with sched_yield, a core busy even when idle).
-    None (default): on for serving endpoints, whose peers' READs complete only as fast as this
-    side's UCX progresses (1 ms instead of ~25 us per 64 KiB READ without it); off for consumers,
-    which drive NIXL themselves while they wait."""
+    """Run NIXL's own progress thread. It sleeps on UCX's wake-up fds (``nixl_progress_wait_s``),
+    so it costs nothing while idle. Over UCX's TCP lane (wire-up, notifications, in the default
+    error mode) a transfer that carries a notification, or follows one, completes only when the
+    *peer's* UCX has run: the thread runs it for a producer whose loop is asleep. None
+    (default): on for serving endpoints with the UCX backend; off for consumers, which drive
+    their UCX themselves while they wait for a load (with it, our thread and NIXL's share one UCX
+    worker: no faster on 2 cores); off for other backends (untested)."""
+    nixl_progress_wait_s: float = 0.01
+    """Longest NIXL's progress thread sleeps when UCX signals nothing (it wakes at once on UCX
+    events; this bounds a missed wake-up, and costs ~0.2 % of a core per agent at 10 ms).
+    0 restores NIXL's default: a thread that spins, a core per agent even when idle."""
     load_timeout_s: float = 5.0
     """Longest a load may take from request to landed before it fails."""
     announce_lease_s: float = 60.0
@@ -88,6 +95,8 @@ class EndpointConfig:
         for f in ("load_timeout_s", "announce_lease_s", "grant_lease_s", "heartbeat_s", "peer_timeout_s"):
             if getattr(self, f) <= 0:
                 raise ConfigError(f"{f} must be > 0, got {getattr(self, f)}")
+        if self.nixl_progress_wait_s < 0:
+            raise ConfigError(f"nixl_progress_wait_s must be >= 0, got {self.nixl_progress_wait_s}")
         if self.quarantine_s < 0:
             raise ConfigError(f"quarantine_s must be >= 0, got {self.quarantine_s}")
         if self.listen is not None:
@@ -97,7 +106,9 @@ class EndpointConfig:
 
     @property
     def progress_thread(self) -> bool:
-        return self.listen is not None if self.nixl_progress_thread is None else self.nixl_progress_thread
+        if self.nixl_progress_thread is not None:
+            return self.nixl_progress_thread
+        return self.listen is not None and "UCX" in self.backends
 
     @property
     def probe_blocks(self) -> int:

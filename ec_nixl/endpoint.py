@@ -42,8 +42,8 @@ from ec_nixl.transport import Transport
 logger = logging.getLogger("ec_nixl")
 
 ACTIVE_S = 5.0
-"""After a peer's last request or notification, a threaded endpoint keeps driving NIXL every
-1 ms for this long (consumers' READs may need our side's UCX progress), then polls less often."""
+"""After a peer's last request or notification, the loop runs more often for this long (see
+``_activity_hint``), then falls back to its idle period."""
 
 
 class Endpoint:
@@ -66,7 +66,8 @@ class Endpoint:
                 try:
                     self.pool = Pool(arena, cfg.block_bytes, reserved_blocks=cfg.probe_blocks)
                     self.transport = Transport(cfg.name, arena, cfg.block_bytes, tuple(cfg.backends),
-                                               dict(cfg.backend_params), progress_thread=cfg.progress_thread)
+                                               dict(cfg.backend_params), progress_thread=cfg.progress_thread,
+                                               progress_wait_s=cfg.nixl_progress_wait_s)
                 except Exception:
                     arena.close()
                     raise
@@ -181,8 +182,13 @@ class Endpoint:
         self._last_activity = time.monotonic()
 
     def _activity_hint(self) -> Optional[float]:
-        # peers may be reading from us: keep UCX progressing for a while after they were active
-        return 0.001 if time.monotonic() - self._last_activity < ACTIVE_S else None
+        """How often the loop must run for NIXL's sake. Without NIXL's progress thread, only our
+        calls run UCX: keep calling every 1 ms while peers were active lately (their transfers may
+        need our side). With it (it sleeps on UCX's wake-up fds), UCX needs nothing from the loop:
+        messages (ReadDone included) and commands wake it, WRITEs in flight have their own hint."""
+        if self.transport.progress_thread:
+            return None
+        return 0.001 if time.monotonic() - self._last_activity < ACTIVE_S else 0.05
 
     def _drain_notifs(self) -> None:
         try:

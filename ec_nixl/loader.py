@@ -93,10 +93,13 @@ class Loader:
         """Start loading ``refs``; returns one ticket each at once (see ``LoadBarrier``)."""
         deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.load_timeout_s)
         tickets = [LoadTicket(r, deadline, self.pool) for r in refs]
+        producers: set[str] = set()  # addresses checked in this call
         for t in tickets:
             try:
                 P.validate_item(t.ref.desc)
-                split_address(t.ref.producer)
+                if t.ref.producer not in producers:
+                    split_address(t.ref.producer)
+                    producers.add(t.ref.producer)
             except ECNixlError as e:
                 self.fail(t, str(e), "BAD_REQUEST")
         good = [t for t in tickets if t.pending]
@@ -171,11 +174,14 @@ class Loader:
     # --- dispatch (owner thread) -----------------------------------------------------
 
     def _start(self, tickets: list[LoadTicket]) -> None:
+        links: dict[str, Link] = {}  # one look-up and wake-up per producer, not per item
         for t in tickets:
             if not t.pending:
                 continue
-            link = self.links.get(t.ref.producer)
-            self.links.wake(link)
+            link = links.get(t.ref.producer)
+            if link is None:
+                link = links[t.ref.producer] = self.links.get(t.ref.producer)
+                self.links.wake(link)
             if link.state is LinkState.FAILED:
                 self.fail(t, link.error, link.reason or "UNREACHABLE")
             elif link.state is LinkState.CONNECTING:
@@ -424,8 +430,10 @@ class Loader:
         for x, landed in done.values():
             for t in landed:
                 t.xfer = None
-                self._landed(t)
+                t.land()
+            self.metrics.count("loads_landed", len(landed))
             self._settle.append((x, landed))
+        self.loop.changed()
 
     def settle(self) -> None:
         """After-completion work kept off the hand-over: telemetry, releasing the request, and

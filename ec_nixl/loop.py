@@ -25,8 +25,9 @@ import zmq
 
 logger = logging.getLogger("ec_nixl")
 
-IDLE_POLL_S = 0.05
-"""Longest a round blocks in the poller when no part asks for sooner."""
+IDLE_POLL_S = 0.5
+"""Longest a round blocks in the poller when no part asks for sooner: an endpoint holding nothing
+sleeps until a message or a command wakes it (timers then run at least this often)."""
 TICK_S = 0.002
 """Period of the timers (deadlines, heartbeats, lease expiry, pool reclaim)."""
 
@@ -153,10 +154,12 @@ class OwnerLoop:
         if self._closed:
             return
         try:
-            events = self._poller.poll(timeout * 1000.0 if timeout > 0 else 0)
+            events = self._poller.poll(timeout * 1000.0 if timeout >= 0.001 else 0)
         except zmq.ZMQError as e:  # pragma: no cover
             logger.warning("poll failed: %s", e)
             events = []
+        if not events and 0 < timeout < 0.001:
+            time.sleep(timeout)  # ZMQ polls in whole milliseconds
         for sock, _ in events:
             if sock == self._wake_fd:
                 try:

@@ -9,6 +9,7 @@ reader, or failed with a ``PushFailed`` reply. A WRITE that NIXL cannot release 
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 from ec_nixl import protocol as P
@@ -20,6 +21,9 @@ from ec_nixl.published import Item, Published, Push
 from ec_nixl.states import PushState
 from ec_nixl.transport import Transport
 
+PUSH_POLL_S = (0.0002, 0.002)
+"""Sleep between polls of a posted WRITE: (when just posted, at most)."""
+
 
 class Pusher:
     """The producer's WRITE queue (owner thread only)."""
@@ -30,7 +34,19 @@ class Pusher:
         self._session, self._reply = session, reply
         self._active: list[tuple[Item, Push]] = []
         loop.every_round(self.poll)
-        loop.idle_hint(lambda: 0.0 if self._active else None)
+        loop.idle_hint(self._idle_hint)
+
+    def _idle_hint(self) -> Optional[float]:
+        """Poll posted WRITEs without spinning: their completion needs the consumer's UCX (and
+        NIXL's thread) to run, on CPUs that may be scarce. Sleep 0.2 ms between polls, growing
+        with the WRITE's age to 2 ms; pushes still waiting for their item's fence poll every 1 ms."""
+        if not self._active:
+            return None
+        posted = [p.xfer.t_posted for _, p in self._active if p.state is PushState.POSTED]
+        if not posted:
+            return 0.001
+        lo, hi = PUSH_POLL_S
+        return min(hi, max(lo, (time.monotonic() - max(posted)) / 4))
 
     def add(self, pushes: list[tuple[Item, Push]]) -> None:
         self._active.extend(pushes)

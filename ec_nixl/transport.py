@@ -9,6 +9,12 @@ DMA: no per-item registration and no staging copy.
 NIXL agents are not thread-safe in their default mode, so a ``Transport`` belongs to one
 *owner thread*: every method checks it is called there. This module owns the agent and its
 handles; it never decides policy (who reads what, when to give up: see ``endpoint``).
+
+Progress: with the UCX backend over TCP (active messages: notifications, wire-up), a transfer
+that carries a notification, or follows one on the same connection, completes only once the
+*peer's* UCX worker has run. NIXL's progress thread does that for the peer, and here it sleeps in
+``poll()`` on UCX's wake-up fds instead of spinning (``progress_wait_s``), so it costs nothing
+while idle and answers within a wake-up when a message arrives.
 """
 
 from __future__ import annotations
@@ -30,6 +36,61 @@ logger = logging.getLogger(__name__)
 
 # vLLM sets this before importing nixl to work around a rare UCX registration-cache leak.
 os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+
+
+_AGENT_LOCK = threading.Lock()
+
+
+def _new_agent(name: str, conf, progress_wait_s: float):
+    """``nixl_agent(name, conf)`` with its progress thread blocking instead of spinning.
+
+    nixl 1.5.1's Python wrapper hard-codes ``pthrDelay = 0`` into the agent config. The UCX
+    backend's progress thread uses it as the timeout of its ``poll()`` on the workers' UCX
+    wake-up fds (rounded up to whole milliseconds): 0 makes it spin, a core per agent even when
+    idle (measured 0.93 core of an idle producer). Any positive value makes it sleep until UCX
+    has an event and wake at least that often (NIXL's guard against a missed wake-up). The
+    C++ config field is settable, so the wrapper's module-level binding is swapped, for the
+    duration of the construction only, for one that sets it.
+    """
+    import nixl._api as api  # the wheel's real module (nixl_cu12/_cu13._api)
+
+    bind = getattr(api, "nixlBind", None)
+    delay_us = int(round(progress_wait_s * 1e6))
+    if delay_us <= 0 or not getattr(conf, "enable_pthread", False) or bind is None \
+            or not hasattr(bind, "nixlAgent"):
+        if delay_us > 0 and getattr(conf, "enable_pthread", False):
+            logger.warning("ec-nixl: cannot set NIXL's progress-thread delay in this nixl version: "
+                           "its progress thread will spin (one core per agent)")
+        return api.nixl_agent(name, conf)
+
+    class _Bind:
+        def __getattr__(self, attr):
+            return getattr(bind, attr)
+
+        @staticmethod
+        def nixlAgent(agent_name, agent_config):
+            agent_config.pthrDelay = delay_us
+            return bind.nixlAgent(agent_name, agent_config)
+
+    with _AGENT_LOCK:
+        api.nixlBind = _Bind()
+        try:
+            return api.nixl_agent(name, conf)
+        finally:
+            api.nixlBind = bind
+
+
+def _with_mt_mutex(engine_config: str) -> str:
+    """UCX config string plus ``USE_MT_MUTEX=y`` (unless it already says otherwise).
+
+    With a progress thread NIXL makes the UCX worker multi-threaded, and UCX guards it with a
+    *spinlock* by default: a progress thread woken while our thread posts a large transfer
+    (the CMA copy of a 16 MiB item runs inside the post, ~3 ms) spins for all of it, a core
+    lost on a small host. A mutex makes it sleep instead; uncontended it costs the same.
+    """
+    if "USE_MT_MUTEX" in engine_config.upper():
+        return engine_config
+    return ",".join(p for p in (engine_config, "USE_MT_MUTEX=y") if p)
 
 
 def load_nixl():
@@ -81,7 +142,7 @@ class Peer:
 class Xfer:
     """One posted transfer (a NIXL request handle plus what it moves)."""
 
-    __slots__ = ("handle", "op", "peer", "nbytes", "state", "released")
+    __slots__ = ("handle", "op", "peer", "nbytes", "state", "released", "t_posted")
 
     def __init__(self, handle, op: str, peer: str, nbytes: int, state: str):
         self.handle = handle
@@ -90,6 +151,7 @@ class Xfer:
         self.nbytes = nbytes
         self.state = state
         self.released = False
+        self.t_posted = time.monotonic()
 
 
 class Transport:
@@ -104,18 +166,24 @@ class Transport:
         backend_params: Optional[dict[str, str]] = None,
         telemetry: bool = True,
         progress_thread: bool = False,
+        progress_wait_s: float = 0.01,
     ):
-        nixl_agent, nixl_agent_config = load_nixl()
+        _, nixl_agent_config = load_nixl()
         self.name = name
         self.arena = arena
         self.block_size = block_size
         self._owner = threading.get_ident()
-        # NIXL's progress thread spins even when idle; without it, every NIXL call we make (polls,
-        # notification drains) drives UCX, and the endpoint keeps calling while peers are active.
-        self._agent = nixl_agent(name, nixl_agent_config(backends=[], capture_telemetry=telemetry,
-                                                         enable_prog_thread=progress_thread))
+        # With the progress thread, NIXL's own thread runs UCX whenever a message arrives (see the
+        # module docstring); without it, only our NIXL calls (polls, notification drains) do, so
+        # the endpoint must keep calling while peers may be waiting on us.
+        self.progress_thread = progress_thread
+        self._agent = _new_agent(name, nixl_agent_config(backends=[], capture_telemetry=telemetry,
+                                                         enable_prog_thread=progress_thread),
+                                 progress_wait_s)
         for b in backends:
             params = ucx_params(backend_params, arena.mem_type) if b == "UCX" else {}
+            if b == "UCX" and progress_thread:
+                params["engine_config"] = _with_mt_mutex(params.get("engine_config", ""))
             try:
                 self._agent.create_backend(b, params)
             except Exception as e:

@@ -57,3 +57,15 @@ def test_ucx_params_turn_on_zero_copy_read_for_vram_unless_the_user_decided(monk
         {"engine_config": "CUDA_IPC_ENABLE_GET_ZCOPY=n"}, "the user's own choice stays"
     monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "n")
     assert ucx_params({}, "VRAM") == {}, "the environment variable wins in UCX: leave it alone"
+
+
+def test_progress_thread_per_role_and_backend():
+    """NIXL's (blocking) progress thread: on for UCX producers, off for consumers and for other
+    backends unless asked; its wait must be a non-negative time (0 = NIXL's spinning default)."""
+    assert EndpointConfig(name="p", listen="127.0.0.1:0").progress_thread
+    assert not EndpointConfig(name="c").progress_thread
+    assert not EndpointConfig(name="p", listen="127.0.0.1:0", backends=("LIBFABRIC",)).progress_thread
+    assert EndpointConfig(name="c", nixl_progress_thread=True).progress_thread
+    assert not EndpointConfig(name="p", listen="127.0.0.1:0", nixl_progress_thread=False).progress_thread
+    with pytest.raises(ConfigError, match="nixl_progress_wait_s"):
+        EndpointConfig(name="p", nixl_progress_wait_s=-1)

@@ -7,6 +7,7 @@ that die, stall, lie or attack are the ``test_faults_*`` and ``test_security`` f
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -18,7 +19,7 @@ from ec_nixl.errors import LoadFailed
 from ec_nixl.tensors import Ready
 from ec_nixl.tickets import ItemRef
 from helpers import MODES, TCP_ONLY, check, fetch, overlap, phase, refs_for, state
-from peers import make_item
+from peers import ConsumerProcess, digest, make_item
 
 # Tests that need a real CUDA device and no CPU twin (the ``device`` fixture's cuda param, alone).
 GPU_ONLY = pytest.mark.parametrize("device", [pytest.param("cuda", marks=[
@@ -383,3 +384,41 @@ def test_publish_many_packs_a_step_and_cleans_up_on_error(make_consumer, device)
         assert prod.pool.stats().used == used, "a failed batch must not keep slots"
         cons = make_consumer(mode="read")
         fetch(cons, [ItemRef(desc=d, producer=prod.address) for d in descs[:9]], specs, device)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of every thread of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_idle_pair_leaves_the_cpu_alone(make_producer, device, mode):
+    """A handshaken producer and consumer holding nothing must not busy-poll (NIXL's progress
+    thread sleeps on UCX's wake-up fds, the I/O thread on its poller): on a 2-core host a
+    spinning thread per endpoint starves everything else. The goal (2 % of a core per process)
+    is the bench's; this only catches a spinner. Work that arrives after the idle spell lands."""
+    prod = make_producer()
+    # Like a vLLM consumer worker: no I/O thread, NIXL driven by its own loads.
+    cons = ConsumerProcess(device=device, mode=mode, threaded=False, pool_bytes=64 << 20)
+    try:
+        def load(specs):
+            descs = prod.call("publish", specs)
+            got = cons.call("load", ([(d, prod.address, 0, 1) for d in descs], 10.0))
+            want = {h: digest(make_item(seed, shape, dtype, device)) for h, shape, dtype, seed in specs}
+            assert {h: (st, dg) for h, st, _, dg in got} == {h: ("landed", dg) for h, dg in want.items()}, got
+
+        load([(f"warm-{i}", (64, 1024), "bfloat16", i) for i in range(3)])
+        deadline = time.monotonic() + 5
+        while prod.call("stats")["pool"]["used"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        window = 4.0
+        before = {p: _cpu_s(p.pid) for p in (prod, cons)}
+        time.sleep(window)
+        use = {type(p).__name__: round((_cpu_s(p.pid) - c) / window, 3) for p, c in before.items()}
+        assert all(u < 0.05 for u in use.values()), f"idle CPU use in cores: {use} (a thread busy-polls)"
+        load([("after-idle", (64, 1024), "bfloat16", 9)])
+    finally:
+        cons.close()
