@@ -65,6 +65,13 @@ class EndpointConfig:
     heartbeat_s: float = 1.0
     peer_timeout_s: float = 5.0
     """A peer silent (or unreachable) this long while work is pending is declared dead."""
+    link_timeout_s: float = 10.0
+    """A consumer-producer connection that answers no transport-level ping for this long is
+    dropped, on either side. Both ends ping every ``heartbeat_s`` (ZMTP heartbeats, answered by
+    ZMQ's own I/O thread: an idle or busy peer answers, a stopped, hung or cut-off one does not).
+    A consumer then loses its link; a producer ends the sessions of a dropped (or closed)
+    connection at once (pins, pushes, interest), and frees items that only those sessions' group
+    held this long after unless they are claimed again."""
     quarantine_s: float = 10.0
     """A slot whose DMA outcome is unknown stays unused at least this long."""
     probe_bytes: int = 1 << 20
@@ -92,7 +99,8 @@ class EndpointConfig:
                 f"pool_bytes {self.pool_bytes} too small: the probe area alone takes "
                 f"{self.probe_blocks * self.block_bytes} B"
             )
-        for f in ("load_timeout_s", "announce_lease_s", "grant_lease_s", "heartbeat_s", "peer_timeout_s"):
+        for f in ("load_timeout_s", "announce_lease_s", "grant_lease_s", "heartbeat_s", "peer_timeout_s",
+                  "link_timeout_s"):
             if getattr(self, f) <= 0:
                 raise ConfigError(f"{f} must be > 0, got {getattr(self, f)}")
         if self.nixl_progress_wait_s < 0:

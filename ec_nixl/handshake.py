@@ -5,7 +5,8 @@ all with the shared token); the producer checks it (``check_hello``) and answers
 (its own metadata and session id, HMAC bound to the consumer's nonce), which the consumer checks
 (``check_welcome``). What an accepted handshake gives the consumer on the producer's side is a
 ``Session``. Keeping the rules here means the producer's server and the consumer's links
-cannot drift apart, and each check is testable without a socket.
+cannot drift apart, and each check is testable without a socket. ``keep_alive`` is the one rule
+both sides apply to the connection itself: transport-level pings.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
+
+import zmq
 
 from ec_nixl import protocol as P
 from ec_nixl.config import EndpointConfig
@@ -40,6 +43,15 @@ class Identity:
         compat = "" if cfg.observer else P.compat_hash({**cfg.compat, "block": cfg.block_bytes})
         return cls(name=cfg.name, compat=compat, token=cfg.token.encode() if cfg.token else None,
                    group=cfg.group or "", observer=cfg.observer)
+
+
+def keep_alive(sock: zmq.Socket, cfg: EndpointConfig) -> None:
+    """Ping the peers of ``sock`` every ``heartbeat_s`` and drop a connection that answers nothing
+    for ``link_timeout_s`` (ZMTP heartbeats: ZMQ's own I/O thread sends and answers them, so a
+    peer that is idle, busy, or not running its event loop still answers; a stopped, hung or cut-off
+    one does not). Set before connect or bind."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.heartbeat_s * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(cfg.link_timeout_s * 1000)))
 
 
 def hello(me: Identity, nonce: bytes, agent_md: Optional[bytes], arena: Optional[P.ArenaInfo]) -> P.Hello:

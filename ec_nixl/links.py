@@ -8,8 +8,9 @@ is told when a link becomes ready, goes down, or delivers a reply that is not a 
 and it says whether it has work on a link (only then does a producer's silence count).
 
 A link never blocks: handshakes are resent with back-off, a silent producer is declared lost
-after ``peer_timeout_s`` while work is pending, and a link that failed stays failed for a short
-while so that callers fail fast instead of hammering a dead address.
+after ``peer_timeout_s`` while work is pending (and after ``link_timeout_s`` without answering
+transport-level pings, idle or not), and a link that failed stays failed for a short while, its
+socket closed, so that callers fail fast instead of hammering a dead address.
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ class Links:
         sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        handshake.keep_alive(sock, self.cfg)  # a producer that stops answering is dropped, idle or not
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         host, port = split_address(address)
         sock.connect(f"tcp://{host}:{port}")
@@ -244,11 +246,27 @@ class Links:
         link.t_start = time.monotonic()
         self.listener.on_down(link, error, reason)
         self._finish_queries(link, reason, error)
+        # The link stays (callers fail fast) but its socket goes: ZMQ would keep reconnecting to a
+        # dead address in the background (and on loopback may even connect to itself, taking the
+        # port a restarting producer needs).
+        self._close_sockets(link)
 
     def lose(self, link: Link, error: str) -> None:
         """The producer went away: fail what waits on it (the listener quarantines what a DMA
         may touch), then drop the link."""
         logger.warning("ec-nixl: %s", error)
+        self._end(link, error)
+
+    def replace(self, link: Link, why: str) -> Link:
+        """Drop a ready link and connect to its address afresh: the caller was told of another
+        incarnation than the link's, so the link may lead to a process that is gone (an
+        unthreaded endpoint learns of disconnects only when it runs). The new link's handshake
+        says who answers now."""
+        logger.info("ec-nixl: reconnecting to %s: %s", link.address, why)
+        self._end(link, why)
+        return self.get(link.address)
+
+    def _end(self, link: Link, error: str) -> None:
         link.move(LinkState.LOST)
         self.listener.on_down(link, error, "PEER_LOST")
         self._finish_queries(link, "UNREACHABLE", error)
@@ -266,6 +284,14 @@ class Links:
             del self._links[link.address]
         if self._by_session.get(link.session) is link:
             del self._by_session[link.session]
+        self._close_sockets(link)
+        if self.transport is not None and link.name and link.name in self.transport.peers:
+            self.transport.forget_peer(link.name)
+        self.listener.on_dropped(link)
+
+    def _close_sockets(self, link: Link) -> None:
+        if link.sock.closed:
+            return
         self.loop.remove_socket(link.sock)
         self.loop.remove_socket(link.monitor)
         try:
@@ -274,19 +300,17 @@ class Links:
             pass
         link.monitor.close(0)
         link.sock.close(0)
-        if self.transport is not None and link.name and link.name in self.transport.peers:
-            self.transport.forget_peer(link.name)
-        self.listener.on_dropped(link)
 
     # --- incoming --------------------------------------------------------------------
 
     def _on_monitor(self, link: Link) -> None:
-        try:
-            ev = recv_monitor_message(link.monitor, zmq.NOBLOCK)
-        except zmq.Again:
-            return
-        if ev.get("event") == zmq.EVENT_DISCONNECTED and link.state is LinkState.READY:
-            self.lose(link, f"producer {link.address} disconnected")
+        while not link.monitor.closed:
+            try:
+                ev = recv_monitor_message(link.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if ev.get("event") == zmq.EVENT_DISCONNECTED and link.state is LinkState.READY:
+                self.lose(link, f"producer {link.address} disconnected")
 
     def _on_readable(self, link: Link) -> None:
         for _ in range(64):
@@ -322,6 +346,10 @@ class Links:
             return
         if isinstance(msg, P.Refused) and (link.state is LinkState.CONNECTING or msg.req == 0):
             return self.fail(link, f"producer {link.address} refused: {msg.reason}: {msg.detail}", msg.reason)
+        if isinstance(msg, P.Refused) and msg.reason == P.Nack.UNKNOWN_SESSION.value:
+            # Our session is gone there (the producer restarted, or dropped our connection as
+            # silent): nothing more can be done on this link; the next request reconnects.
+            return self.lose(link, f"producer {link.address} no longer knows our session: {msg.detail}")
         q = link.queries.pop(msg.req, None) if isinstance(msg, (P.Refused, P.Grant, P.StatsReply)) else None
         if q is not None:
             if isinstance(msg, P.Refused):

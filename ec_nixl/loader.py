@@ -5,6 +5,11 @@ producer's slot (pull; at once when a Hold already told where it is, else after 
 Push asking the producer to WRITE into our slot. A round's items from one producer travel as one
 NIXL request. ``LoadTicket``s report the outcome; ``LoadBarrier`` waits on them.
 
+An ``ItemRef`` that names the producer incarnation whose Hold it came from is loaded from that
+incarnation only: a link to another one is replaced (it may lead to a process that is gone), and
+if the address then answers as another incarnation the item fails ``RESTARTED`` (retryable), so
+the caller can get it elsewhere; nothing is ever asked of a process that did not hold it.
+
 Every failure goes through ``fail``, which alone decides what happens to the slot: released when
 no DMA can touch it, quarantined (or kept with its transfer until NIXL lets go of it) when one
 may. So a slot is never reused while a transfer might still write it, and never leaked.
@@ -106,6 +111,10 @@ class Loader:
         if not good:
             return tickets
         if self.loop.is_owner:
+            if not self.loop.threaded:
+                # Unthreaded: take in what happened since we last ran (a producer that went away
+                # left a disconnect in its link's monitor) before any load picks a link.
+                self.loop.progress(0.0)
             # The caller drives the endpoint: dispatch and post now, not at the end of a round.
             self._start(good)
             self.flush()
@@ -182,6 +191,11 @@ class Loader:
             if link is None:
                 link = links[t.ref.producer] = self.links.get(t.ref.producer)
                 self.links.wake(link)
+            if link.state is LinkState.READY and self._other_incarnation(t, link) and not self._in_use(link):
+                link = links[t.ref.producer] = self.links.replace(
+                    link, f"item {t.mm_hash} was held by incarnation {t.ref.incarnation}, "
+                          f"the link leads to {link.incarnation}")
+                self.links.wake(link)
             if link.state is LinkState.FAILED:
                 self.fail(t, link.error, link.reason or "UNREACHABLE")
             elif link.state is LinkState.CONNECTING:
@@ -196,8 +210,19 @@ class Loader:
             lane = self._lanes[link] = _Lane()
         return lane
 
+    @staticmethod
+    def _other_incarnation(t: LoadTicket, link: Link) -> bool:
+        return bool(t.ref.incarnation) and t.ref.incarnation != link.incarnation
+
+    def _in_use(self, link: Link) -> bool:
+        return self.links.busy(link) or any(r.pending and r.ref.producer == link.address for r in self._reads)
+
     def _dispatch(self, link: Link, t: LoadTicket) -> None:
         """Reserve the slot and ask for the item the way this link prefers."""
+        if self._other_incarnation(t, link):
+            return self.fail(t, f"item {t.mm_hash}: producer {t.ref.producer} restarted since it held the item "
+                                f"(held by incarnation {t.ref.incarnation}, {link.incarnation} answers now)",
+                             "RESTARTED", retryable=True)
         if t.slot is None:
             try:
                 t.slot = self.pool.allocate(t.ref.desc.nbytes, tag=t.mm_hash)
@@ -213,8 +238,7 @@ class Loader:
         if link.mode == "write":
             t.enter(Phase.PUSH)
             lane.push_queue.append(t)
-        elif t.ref.block >= 0 and time.time() < t.ref.valid_until and \
-                t.ref.incarnation in ("", link.incarnation):
+        elif t.ref.block >= 0 and time.time() < t.ref.valid_until:
             t.enter(Phase.READ_QUEUED)
             lane.read_queue.append((t, t.ref.block))
         else:
@@ -427,10 +451,19 @@ class Loader:
             else:
                 self.fail(t, f"READ from {t.ref.producer} failed (NIXL ERR)", "XFER_ERR")
         self._reads = still
-        for x, landed in done.values():
-            for t in landed:
+        now = time.monotonic()
+        for x, tickets in done.values():
+            landed = []
+            for t in tickets:
                 t.xfer = None
-                t.land()
+                if now > t.deadline:
+                    # Seen done only after its deadline (this process was stopped or starved):
+                    # the producer may have reclaimed the slot and reused it before the READ ran.
+                    self.fail(t, f"{self._timeout_msg(t)}: its READ was seen done only after the deadline, "
+                                 f"its bytes are not trusted", "TIMEOUT", retryable=True, settled=True)
+                else:
+                    t.land()
+                    landed.append(t)
             self.metrics.count("loads_landed", len(landed))
             self._settle.append((x, landed))
         self.loop.changed()
@@ -440,8 +473,9 @@ class Loader:
         telling each producer its readers are done (it frees the items then)."""
         settle, self._settle = self._settle, []
         for x, tickets in settle:
-            self._record(x, tickets[0].t_post)
-            self._notify_read(tickets)
+            self._record(x, tickets[0].t_post if tickets else time.perf_counter())
+            if tickets:
+                self._notify_read(tickets)
 
     def _record(self, x: Xfer, t_post: float) -> None:
         """Telemetry of one finished request (all its items), then release it."""

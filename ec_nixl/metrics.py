@@ -29,6 +29,8 @@ COUNTERS = (
     "prefetch_defers",
     "prefetched",
     "local_fallbacks",
+    "late_fallbacks",  # of local_fallbacks: loads that failed after admission, encoded in the same step
+    "reclaimed_sessions",  # producer: sessions ended because their consumer's connection went away
 )
 
 

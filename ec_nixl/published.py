@@ -324,12 +324,16 @@ class Published:
             self.maybe_free(item)
 
     def drop_session(self, sid: str, group: str, group_left: bool) -> None:
-        """A session ended: its pins go, and its group's interest unless the group lives on."""
+        """A session ended: its pins go, and its group's interest unless the group lives on.
+
+        An item that only this (now gone) group held has nobody left to read it: its lease is cut
+        to ``link_timeout_s`` (a reconnecting consumer that claims it again keeps it)."""
+        until = time.monotonic() + self.cfg.link_timeout_s
         with self._lock:
             items = list(self._items.values())
             for item in items:
-                if not group_left:
-                    item.interest.pop(group, None)
+                if not group_left and item.interest.pop(group, None) is not None and not item.interest:
+                    item.expires_at = min(item.expires_at, until)
                 for k in [k for k in item.pins if k[0] == sid]:
                     del item.pins[k]
         for item in items:

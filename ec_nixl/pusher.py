@@ -90,7 +90,10 @@ class Pusher:
             s = self._session(push.session)
             if not self._current(item, push):
                 continue  # cancelled, failed or done
-            if s is None:
+            if s is None:  # the consumer went away: release its WRITE; until NIXL lets go, it keeps our slot
+                if push.state is PushState.POSTED and not self.transport.release(push.xfer):
+                    still.append((item, push))
+                    continue
                 self.published.push_ended(item, push, None)
                 continue
             if push.state is PushState.QUEUED:

@@ -8,6 +8,13 @@ them (we WRITE into its slots: see ``pusher``), ``Cancel`` pushes, read ``Stats`
 ``Heartbeat``s, report ``ReadDone`` and say ``Bye``. Items live in the table (``published``); the server only decides
 who may do what with them. One bad request is refused with its reason and never takes the
 server down.
+
+A consumer that goes away loses its sessions within a bounded time: ZMQ pings every connection
+from its own I/O thread (``handshake.keep_alive``) and drops one that answers nothing for
+``link_timeout_s`` (a stopped or hung process; a killed one closes at once). A socket monitor
+reports each dropped connection, the file descriptor every request arrived on says whose it was,
+and a probe (a send that ZMQ refuses once the peer's route is gone) confirms it before the
+sessions end: their pins, pushes and interest go, and what only they held is freed soon after.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import time
 from typing import Callable, Optional
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ec_nixl import handshake
 from ec_nixl import protocol as P
@@ -34,6 +42,8 @@ from ec_nixl.transport import Transport
 logger = logging.getLogger("ec_nixl")
 
 _MAX_HELLO_NONCES = 1 << 16  # handshakes remembered against replay
+_PROBES_S = (0.0, 0.02, 0.1, 0.5, 2.0)
+"""When to probe a consumer after its connection dropped: ZMQ removes the route a little later."""
 
 
 class Server:
@@ -52,18 +62,24 @@ class Server:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        handshake.keep_alive(self._sock, cfg)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._fd_of: dict[bytes, int] = {}  # consumer identity -> connection its last request came on
+        self._suspects: dict[bytes, list[float]] = {}  # identity -> when to probe it (connection dropped)
         try:
             if port == 0:
                 port = self._sock.bind_to_random_port(f"tcp://{host}")
             else:
                 self._sock.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as e:
-            self._sock.close()
+            self._close_sockets()
             raise ConfigError(f"cannot listen on {cfg.listen}: {e}") from None
         self.address = cfg.advertise or f"{host}:{port}"
         self.pusher = Pusher(published, transport, metrics, loop, self._sessions.get, self.reply) \
             if published is not None and transport is not None else None
         loop.add_socket(self._sock, self._serve_some)
+        loop.add_socket(self._monitor, self._on_monitor)
+        loop.every_tick(self._tick)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -78,6 +94,14 @@ class Server:
             logger.debug("reply to %r dropped: %s", identity, e)
 
     def close(self) -> None:
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
         self._sock.close(0)
 
     # --- requests --------------------------------------------------------------------
@@ -86,11 +110,13 @@ class Server:
         self._on_activity()
         for _ in range(256):
             try:
-                identity, data = self._sock.recv_multipart(zmq.NOBLOCK)[:2]
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            except ValueError:
+            if len(frames) < 2:
                 continue  # a frame count we never send: ignore
+            identity, data = frames[0].bytes, frames[1].bytes
+            self._seen_on(identity, frames[1])
             try:
                 msg = P.decode(data)
             except ECNixlError as e:
@@ -223,6 +249,58 @@ class Server:
         running = self.pusher.still_running if self.pusher is not None else (lambda p: False)
         safe, in_flight = self._table().cancel_pushes(s.id, msg.mm_hashes, running)
         self.reply(identity, P.CancelAck(req=msg.req, safe=safe, in_flight=in_flight))
+
+    # --- consumers that went away ----------------------------------------------------
+
+    def _seen_on(self, identity: bytes, frame: zmq.Frame) -> None:
+        try:
+            self._fd_of[identity] = frame.get(zmq.SRCFD)
+        except zmq.ZMQError:  # pragma: no cover - a libzmq without the property: probes cover less
+            pass
+
+    def _on_monitor(self) -> None:
+        now = time.monotonic()
+        while True:
+            try:
+                ev = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if ev.get("event") != zmq.EVENT_DISCONNECTED:
+                continue
+            fd = int(ev.get("value", -1))
+            for ident in [i for i, f in self._fd_of.items() if f == fd]:
+                del self._fd_of[ident]
+                if any(s.identity == ident for s in self._sessions.values()):
+                    self._suspects[ident] = [now + d for d in _PROBES_S]
+        self._tick(now)
+
+    def _tick(self, now: float) -> None:
+        """Probe the consumers whose connection dropped; reclaim the sessions of those gone."""
+        for ident, when in list(self._suspects.items()):
+            if when[0] > now:
+                continue
+            while when and when[0] <= now:
+                when.pop(0)
+            sessions = [s for s in self._sessions.values() if s.identity == ident]
+            if sessions and self._gone(ident, sessions[0].id):
+                for s in sessions:
+                    self._reclaim(s)
+            if not sessions or not when or not any(s.identity == ident for s in self._sessions.values()):
+                self._suspects.pop(ident, None)
+
+    def _gone(self, identity: bytes, sid: str) -> bool:
+        """True when ZMQ has no route to ``identity`` any more (ROUTER_MANDATORY refuses the send).
+        A live consumer gets a Heartbeat, which it ignores."""
+        try:
+            self._sock.send_multipart([identity, P.encode(P.Heartbeat(session=sid))], zmq.NOBLOCK)
+            return False
+        except zmq.ZMQError as e:
+            return e.errno == zmq.EHOSTUNREACH
+
+    def _reclaim(self, s: Session) -> None:
+        logger.info("ec-nixl: consumer %s went away (connection dropped): its session %s ends", s.name, s.id)
+        self.metrics.count("reclaimed_sessions")
+        self._end_session(s)
 
     def _end_session(self, s: Session, keep_peer: bool = False) -> None:
         self._sessions.pop(s.id, None)

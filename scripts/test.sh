@@ -9,9 +9,16 @@
 # as correctness checks; numbers come from `ec-nixl bench` and `pytest bench/`).
 # GPU tests (marker `gpu`) skip by design where there is no CUDA device. A run that executes
 # no test at all fails.
+#
+# Then, for each vLLM version in EC_NIXL_VLLM_VERSIONS (default "0.33.0 0.34.0" when no pytest args
+# are given, none otherwise), builds or reuses .venv-vllm-VERSION with that official vLLM wheel
+# (scripts/setup_vllm_venv.sh) and runs the adapter tests that use vLLM's real types there
+# (VLLM_TESTS below) on vLLM's CPU platform. Each version's run must pass and collect tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${EC_NIXL_VENV:-.venv}
+VLLM_TESTS=(tests/test_vllm_adapter.py tests/test_vllm_mrv2.py tests/test_vllm_compat.py)
+if [ $# -eq 0 ]; then VERSIONS=${EC_NIXL_VLLM_VERSIONS-0.33.0 0.34.0}; else VERSIONS=${EC_NIXL_VLLM_VERSIONS-}; fi
 bash scripts/setup_env.sh "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
@@ -21,4 +28,22 @@ python -m pytest -p no:cacheprovider -ra tests bench --benchmark-disable "$@" ||
 if [ "$rc" -eq 5 ]; then
     echo "test.sh: pytest collected no tests: failing on purpose" >&2
 fi
+deactivate
+
+if [ -z "$VERSIONS" ]; then
+    echo "test.sh: no runs against other vLLM versions (pytest args given; EC_NIXL_VLLM_VERSIONS=\"0.33.0 0.34.0\" adds them)"
+fi
+for v in $VERSIONS; do
+    vv=.venv-vllm-$v
+    t0=$SECONDS
+    vrc=0
+    bash scripts/setup_vllm_venv.sh "$vv" "$v" || vrc=$?
+    t1=$SECONDS
+    if [ "$vrc" -eq 0 ]; then
+        VLLM_TARGET_DEVICE=cpu "$vv/bin/python" -m pytest -p no:cacheprovider -ra "${VLLM_TESTS[@]}" || vrc=$?
+        [ "$vrc" -ne 5 ] || echo "test.sh: vLLM $v: pytest collected no tests: failing on purpose" >&2
+    fi
+    echo "test.sh: vLLM $v: venv $((t1 - t0)) s, tests $((SECONDS - t1)) s, exit $vrc"
+    [ "$rc" -ne 0 ] || rc=$vrc
+done
 exit "$rc"

@@ -213,7 +213,8 @@ def test_consumer_sigkill_holding_grants(make_peer, make_consumer, device):
     st = drained(prod, grant + lease + 10)
     timing("consumer SIGKILL holding grants: producer pool back to 0 after", time.monotonic() - t0)
     assert st["pool"]["used"] == 0 and prod.call("published") == []
-    assert st["counters"]["expired_pins"] >= 1 and st["counters"]["expired_leases"] >= 2
+    # its session is reclaimed when the connection drops (pins go with it); the leases run out
+    assert st["counters"]["reclaimed_sessions"] >= 1 and st["counters"]["expired_leases"] >= 2
     # Others are served; so is the same consumer name with a new agent (a restarted rank).
     again = make_peer(ConsumerProcess, name="restarting-consumer", mode="read")
     more = [("after", (50, 70), "float32", 3)]

@@ -205,7 +205,7 @@ def test_dead_or_failing_backends_are_named():
             failing = await Stub("fail", fail).start(stack)
             rejecting = await Stub("reject", reject).start(stack)
             gone = dead_url()
-            timeouts = dict(connect_timeout_s=0.5, encode_timeout_s=0.5, pd_timeout_s=0.5)
+            timeouts = dict(connect_timeout_s=0.5, encode_timeout_s=0.5, pd_timeout_s=0.5, encoder_fallback=False)
             cases = [  # (encoder, pd, status, stage, url, words in the message)
                 (gone, ok_pd.url, 503, "encoder", gone, "unreachable"),
                 (ok_e.url, gone, 503, "pd", gone, "unreachable"),

@@ -30,6 +30,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from ec_nixl.errors import ConfigError  # noqa: E402
 from peers import digest, make_item  # noqa: E402
+from vllm_cpu_host import create_engine_config  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 ROWS, WIDTH = 9, 128  # what the tiny Qwen2-VL's encoder produces for a 96x80 image
@@ -51,8 +52,8 @@ def vllm_config(model: str, role: str, extra: dict | None = None, port: int = 17
            "ec_buffer_size": 32 << 20, "ec_port": port, "engine_id": f"t-{role}",
            "ec_connector_extra_config": extra or {}}
     cfg.update(ec)
-    return EngineArgs(model=model, max_model_len=1024, enforce_eager=True, dtype="bfloat16",
-                      ec_transfer_config=cfg).create_engine_config()
+    return create_engine_config(EngineArgs(model=model, max_model_len=1024, enforce_eager=True, dtype="bfloat16",
+                                           ec_transfer_config=cfg))
 
 
 def feature(h: str, media: bool = True, offset: int = 7) -> MultiModalFeatureSpec:
@@ -223,7 +224,7 @@ def test_consumer_loads_byte_exact_and_releases(producer, consumer_sides):
     worker.start_load_caches(cache, meta2)
     assert cache["img0"] is not view and torch.equal(cache["img0"], make_item(5, (ROWS, WIDTH), "bfloat16"))
     assert worker.endpoint.pool.stats().used == 0
-    assert sched.request_finished(req) == (False, None)
+    assert sched.request_finished(req) == (False, {"ec_nixl_consumer": {"loaded": ["img0"], "local": []}})
     stats = sched.get_stats()
     assert stats.reduce()["loads_landed"] == 1 and took < 5
 

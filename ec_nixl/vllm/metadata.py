@@ -4,8 +4,11 @@
   ``collect_ec_item_metadata`` entry with our coordinates merged under the ``"ec_nixl"`` key, so
   orchestrators that only forward the dict keep working. ``parse_params`` treats it as hostile
   input: every field is type- and range-checked against the request it arrived with.
-* ``NixlECMetadata`` (scheduler -> workers, pickled by vLLM): the loads of this step.
-* ``NixlECWorkerMeta`` (workers -> scheduler): per-rank landed/failed items and transfer stats.
+* ``NixlECMetadata`` (scheduler -> workers, pickled by vLLM): the loads of this step, and the
+  step's ``SchedulerOutput`` itself (pickled with it, so a worker holds the very object its model
+  runner reads: a load that fails can be added to the step's encoder inputs, see ``worker``).
+* ``NixlECWorkerMeta`` (workers -> scheduler): per-rank landed/failed/re-encoded items and
+  transfer stats.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ class LoadSpec:
     producer: str
     block: int
     valid_until: float
-    incarnation: str = ""  # of the producer that gave ``block``: a restarted one is asked again
+    incarnation: str = ""  # of the producer that held it: loaded from that incarnation only
+    index: int = -1  # the item's position in the request's mm_features (its encoder input id)
+    has_media: bool = False  # the request carries the item's media: it can be encoded here instead
 
 
 @dataclass
@@ -49,6 +54,8 @@ class NixlECMetadata(ECConnectorMetadata):
     prefetch: list[LoadSpec] = field(default_factory=list)  # consumer: held items to start loading now
     publish: list[str] = field(default_factory=list)  # producer: (re)publish from the encoder cache
     release: list[str] = field(default_factory=list)  # consumer: committed to KV, give the slot back
+    step: Any = field(default=None, repr=False, compare=False)
+    """The SchedulerOutput this metadata rides in (set when there are loads; workers drop it)."""
 
 
 @dataclass
@@ -58,6 +65,7 @@ class NixlECWorkerMeta(ECConnectorWorkerMetadata):
     loaded: list[tuple[int, str]] = field(default_factory=list)  # (rank, mm_hash)
     failed: list[tuple[int, str, str, str]] = field(default_factory=list)  # (rank, req_id, mm_hash, why)
     stats: Optional[dict] = None
+    rerouted: list[tuple[int, str, str, str]] = field(default_factory=list)  # failed, encoded locally instead
 
     def aggregate(self, other: "ECConnectorWorkerMetadata") -> "NixlECWorkerMeta":
         if not isinstance(other, NixlECWorkerMeta):
@@ -65,7 +73,8 @@ class NixlECWorkerMeta(ECConnectorWorkerMetadata):
         from ec_nixl.vllm.stats import merge_data
 
         stats = merge_data(self.stats, other.stats) if (self.stats or other.stats) else None
-        return NixlECWorkerMeta(self.loaded + other.loaded, self.failed + other.failed, stats)
+        return NixlECWorkerMeta(self.loaded + other.loaded, self.failed + other.failed, stats,
+                                self.rerouted + other.rerouted)
 
 
 def build_params(items: dict[str, P.ItemDesc], producer: str, base: Optional[dict] = None) -> dict:

@@ -8,7 +8,10 @@ goes to the workers as a *prefetch* in the next step's metadata; while other req
 request itself is admitted one step later, so its transfer overlaps that step and the step that
 gathers it only passes the barrier. An item that cannot be had is encoded
 locally when the request carries its media, otherwise the request fails with a message naming
-the item and the reason; it never reaches the gather missing. The holds go through this process's
+the item and the reason; it never reaches the gather missing. A load that fails after admission
+(its producer died or restarted in between) is encoded by the worker in the same step when the
+request carries the media (counted as a late fallback), else its request fails the same way.
+The holds go through this process's
 own control-only endpoint, not through worker hooks, which vLLM skips on steps with no tokens.
 
 Producer: ``request_finished`` announces each encoded item (shape, dtype, bytes, producer
@@ -17,6 +20,7 @@ address) in ``ec_transfer_params`` and returns False (delay-free would leak the 
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -33,7 +37,12 @@ from ec_nixl.vllm.stats import NixlECConnectorStats, merge_data
 logger = logging.getLogger("ec_nixl.vllm")
 
 _RETRY = {P.Nack.NOT_READY.value, P.Nack.BUSY.value, "TIMEOUT"}
+OUTCOME_KEY = "ec_nixl_consumer"
+"""Key of a consumer's answer ``ec_transfer_params``: {"loaded": [...], "local": [...]} mm hashes."""
 _HOLD_REFRESH_S = 0.5  # re-hold a waiting request's items when less than this fraction of the lease is left
+_STEPS_KEPT = 4
+"""Metadata objects whose SchedulerOutput reference is kept: more than the steps vLLM has in
+flight, so every worker has used it before it is cleared (which breaks the reference cycle)."""
 
 
 @dataclass
@@ -42,6 +51,7 @@ class _Item:
     has_media: bool
     offset_end: int  # placeholder offset + length: consumed once num_computed_tokens passes it
     status: str = "holding"  # holding | ready | local | failed
+    loaded: bool = False  # handed to the workers as a load (vLLM did not have it cached)
     hold: Optional[HoldRequest] = None
     next_try: float = 0.0
     detail: str = ""
@@ -51,9 +61,19 @@ class _Item:
 class _Admission:
     req_id: str
     items: dict[str, _Item]
+    floor: int = 0
+    """Features whose placeholder ends at or below this many computed tokens are not decided yet
+    (the request had them computed when first seen)."""
+    remote: dict[str, RemoteItem] = field(default_factory=dict)  # every valid item of its params
+    errors: dict[str, str] = field(default_factory=dict)  # per-item problems with its params
     t0: float = field(default_factory=time.monotonic)
     failed: str = ""
     deferred_step: int = -1  # the step whose metadata carried this request's prefetches
+
+
+def _end(feature) -> int:
+    """Placeholder offset + length: the feature is consumed once num_computed_tokens reaches it."""
+    return feature.mm_position.offset + feature.mm_position.length
 
 
 class SchedulerSide:
@@ -79,6 +99,7 @@ class SchedulerSide:
         self._publish: list[str] = []
         self._release: list[str] = []
         self._loaded: set[str] = set()  # remote items handed to workers, not yet released
+        self._with_step: collections.deque[NixlECMetadata] = collections.deque()
         self._resolver = None
         self._media_fields: dict[str, set[str]] = {}
         self._width_warned = False
@@ -95,6 +116,11 @@ class SchedulerSide:
             holds = [it.hold for it in adm.items.values() if it.hold is not None]
             if holds and self.opts.admission_wait_s > 0:
                 self.endpoint.wait_for(lambda: all(h.done for h in holds), self.opts.admission_wait_s)
+        elif num_computed_tokens < adm.floor and not adm.failed:
+            # vLLM >= 0.33 asks with the computed tokens minus the prefix-replay tail
+            # (ec_computed_tokens), and a preempted request comes back with fewer: items that
+            # were already computed when the request was first seen can be needed again.
+            self._decide(adm, request, num_computed_tokens, adm.floor)
         if not adm.items and not adm.failed:
             return True  # nothing remote: vLLM encodes it (decided once per request)
         if adm.failed:
@@ -144,23 +170,14 @@ class SchedulerSide:
         the engine in the encoder later.
         """
         rid = request.request_id
-        adm = _Admission(rid, {})
+        adm = _Admission(rid, {}, floor=num_computed_tokens)
         self._reqs[rid] = adm
         params = getattr(request, "ec_transfer_params", None)
-        needed = [f for f in request.mm_features
-                  if f.mm_position.offset + f.mm_position.length > num_computed_tokens]
-        by_id = {f.identifier: f for f in needed}
-        items, errors = ({}, {})
         if params:
             expected = {f.identifier: f.mm_position.get_num_embeds() for f in request.mm_features}
-            items, errors = parse_params(params, expected, self.dtype)
-        for h, remote in items.items():
-            f = by_id.get(h)
-            if f is None:
-                continue  # already computed (prefix cache): nothing to load
-            adm.items[h] = _Item(remote, self._has_media(f), f.mm_position.offset + f.mm_position.length)
-            self._users.setdefault(h, set()).add(rid)
-        for h, why in errors.items():
+            adm.remote, adm.errors = parse_params(params, expected, self.dtype)
+        by_id = {f.identifier: f for f in request.mm_features if _end(f) > num_computed_tokens}
+        for h, why in adm.errors.items():
             f = by_id.get(h)
             msg = f"request {rid}: bad ec_transfer_params for item {h}: {why}"
             if f is not None and self._has_media(f) and self.opts.fallback == "auto":
@@ -168,15 +185,33 @@ class SchedulerSide:
                 self.metrics.count("local_fallbacks")
             else:
                 logger.warning("%s", msg)
-        for f in needed:
-            if f.identifier not in adm.items and not self._has_media(f):
-                why = errors.get(f.identifier) or errors.get("*") or "no ec_transfer_params for it"
-                adm.failed = (f"request {rid}: item {f.identifier} carries no media to encode here and "
+        self._decide(adm, request, num_computed_tokens)
+        return adm
+
+    def _decide(self, adm: _Admission, request, lo: int, hi: Optional[int] = None) -> None:
+        """Decide the features whose placeholder ends in (lo, hi]: remote, local or failed."""
+        rid, added = adm.req_id, False
+        for f in request.mm_features:
+            end = _end(f)
+            if end <= lo or (hi is not None and end > hi):
+                continue  # already computed, or decided before
+            h = f.identifier
+            remote = adm.remote.get(h)
+            if remote is not None:
+                if h not in adm.items:
+                    adm.items[h] = _Item(remote, self._has_media(f), end)
+                    self._users.setdefault(h, set()).add(rid)
+                    added = True
+            elif not self._has_media(f):
+                why = adm.errors.get(h) or adm.errors.get("*") or "no ec_transfer_params for it"
+                adm.failed = (f"request {rid}: item {h} carries no media to encode here and "
                               f"cannot be loaded ({why})")
                 logger.error("%s; failing the request", adm.failed)
                 self._unavailable.add(rid)
                 break
-        return adm
+        adm.floor = lo
+        if added and hi is not None:
+            adm.t0 = time.monotonic()  # the admission deadline runs for the new items from now
 
     def _send_holds(self, adm: _Admission) -> None:
         """One Hold per producer for the items still waiting (and not already asked)."""
@@ -262,15 +297,20 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request, index: int) -> None:
         h = request.mm_features[index].identifier
-        if self.place.is_consumer:
-            spec = self._ready.get(h)
-            if spec is not None:
-                self._loads.append(LoadSpec(request.request_id, spec.desc, spec.producer, spec.block,
-                                            spec.valid_until, spec.incarnation))
-                self._loaded.add(h)
-                self._prefetched.discard(h)
-        if self.place.is_producer:
-            self._publish.append(h)
+        spec = self._ready.get(h) if self.place.is_consumer else None
+        if spec is not None:
+            adm = self._reqs.get(request.request_id)
+            it = adm.items.get(h) if adm is not None else None
+            media = it.has_media if it is not None else self._has_media(request.mm_features[index])
+            if it is not None:
+                it.loaded = True
+            self._loads.append(LoadSpec(request.request_id, spec.desc, spec.producer, spec.block,
+                                        spec.valid_until, spec.incarnation, index,
+                                        media and self.opts.fallback == "auto"))
+            self._loaded.add(h)
+            self._prefetched.discard(h)
+        elif self.place.is_producer:
+            self._publish.append(h)  # computed here (an ec_both engine does not re-serve loads)
 
     def update_state_after_free(self, request, index: int) -> None:
         """The item's embeddings are in the KV cache: workers may give its pool slot back."""
@@ -285,6 +325,11 @@ class SchedulerSide:
         self._loads, self._prefetch, self._publish, self._release = [], [], [], []
         self._busy = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0
         self._step += 1
+        if meta.loads:  # workers may add a failed load to this step's encoder inputs (WorkerSide)
+            meta.step = scheduler_output
+            self._with_step.append(meta)
+            while len(self._with_step) > _STEPS_KEPT:
+                self._with_step.popleft().step = None
         return meta
 
     def update_connector_output(self, output) -> None:
@@ -294,6 +339,20 @@ class SchedulerSide:
         for rank, req_id, h, why in m.failed:
             logger.error("request %s failed: encoder output %s did not land on rank %d: %s", req_id, h, rank, why)
             self._unavailable.add(req_id)
+            adm = self._reqs.get(req_id)
+            if adm is not None and not adm.failed:
+                # vLLM takes the unavailable requests before it reads this output, so the request
+                # is failed one step later; until then ensure_cache_available keeps it from being
+                # scheduled again (no further tokens computed from the placeholder).
+                adm.failed = f"encoder output {h} did not land on rank {rank}: {why}"
+        for (req_id, h), why in {(r, h): why for _, r, h, why in m.rerouted}.items():  # once, whatever the ranks
+            logger.warning("request %s: encoder output %s did not land (%s); encoded locally in the same step",
+                           req_id, h, why)
+            adm = self._reqs.get(req_id)
+            if adm is not None and h in adm.items:
+                adm.items[h].status = "local"
+            self.metrics.count("local_fallbacks")
+            self.metrics.count("late_fallbacks")
         if m.stats:
             self._worker_stats = merge_data(self._worker_stats, m.stats)
 
@@ -303,9 +362,21 @@ class SchedulerSide:
 
     # ================================================================ producer: announcements
 
+    @staticmethod
+    def _outcome(adm: Optional[_Admission]) -> Optional[dict]:
+        """Consumer: which announced items were loaded and which encoded here (the answer's
+        ``ec_transfer_params``, non-streamed answers only; for clients, proxies and tests)."""
+        if adm is None or not adm.items:
+            return None
+        items = adm.items.items()
+        return {OUTCOME_KEY: {"loaded": sorted(h for h, it in items if it.loaded and it.status == "ready"),
+                              "local": sorted(h for h, it in items if it.status == "local")}}
+
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
         adm = self._reqs.pop(request.request_id, None)
+        loaded_here: set[str] = set()  # ec_both: items that came from another producer
         if adm is not None:
+            loaded_here = {h for h, it in adm.items.items() if it.status == "ready"}
             for h in adm.items:
                 users = self._users.get(h)
                 if users is not None:
@@ -317,11 +388,11 @@ class SchedulerSide:
                             self._prefetched.discard(h)
                             self._release.append(h)
         if not self.place.is_producer or not request.mm_features:
-            return False, None
-        if self.place.is_consumer and adm is not None:
-            return False, None  # ec_both: this request's items came from elsewhere
+            return False, self._outcome(adm)
         items = {}
         for f in request.mm_features:
+            if f.identifier in loaded_here:
+                continue  # ec_both announces what it encoded, not what it loaded
             width = self._width(f.modality)
             if width is None:
                 continue
@@ -340,7 +411,7 @@ class SchedulerSide:
 
             if self._resolver is None:
                 self._resolver = PlaceholderMetadataResolver(self.vllm_config.model_config)
-            base = collect_ec_item_metadata(request.mm_features, self._resolver)
+            base = collect_ec_item_metadata(request.mm_features, self._resolver)  # (indices: all items)
         except Exception as e:  # metadata for metadata-only consumers is optional
             logger.debug("collect_ec_item_metadata unavailable: %s", e)
         host = self.opts.advertise_host or self.place.ip

