@@ -177,7 +177,10 @@ def apply(b: Breakage, root: str) -> None:
 
 
 def _env(root: str, env_extra: dict) -> dict:
-    return {**os.environ, **env_extra, "PYTHONPATH": root, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    """The copy first on the path (checked in ``run_tests``), then whatever the caller had there
+    (e.g. wheels unpacked into a folder on a machine without the venv)."""
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, **env_extra, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
 
 
 def _end_session(sid: int) -> None:

@@ -4,8 +4,9 @@ Items are made from seeds (``peers.make_item``) on both sides, so a check compar
 without shipping data through a pipe. Two rules keep the tests stable while the endpoint's
 internals are being reorganised:
 
-* ticket states and phases are read only through ``state()``/``phase()`` here (they are
-  becoming Enums; these return plain lower-case names either way);
+* ticket, slot and link states are read only through ``state()``/``phase()``/``slot_state()``/
+  ``connection_state()`` here, as plain lower-case names (``"read_queued"``), whatever the
+  core represents them with (plain strings before, ``str`` Enums now);
 * the few things a test cannot see through the public API are read in the section "endpoint
   internals" at the bottom, and only there: the one place to re-point when the parts move.
 
