@@ -24,19 +24,9 @@ pytest.importorskip("vllm", reason="vLLM is part of the test environment")
 pytest.importorskip("vllm.v1.worker.ec_connector_model_runner_mixin",
                     reason="this vLLM has no V1 model runner (removed in 0.34)")
 
-from mrv2_engine import (  # noqa: E402
-    ROWS,
-    WIDTH,
-    MRv2Engine,
-    ProducerEngineProcess,
-    build_tiny_model,
-    encoded,
-    make_request,
-    vllm_config,
-)
+from mrv2_engine import ROWS, WIDTH, MRv2Engine, encoded, make_request, vllm_config  # noqa: E402
 from peers import make_item  # noqa: E402
-
-BF16 = "bfloat16"
+from vllm_fixtures import BF16, compat, e_engine, tiny_model  # noqa: E402,F401  (fixtures)
 
 
 class V1Engine(MRv2Engine):
@@ -63,18 +53,6 @@ class V1Engine(MRv2Engine):
         if self.encode_only:
             return out  # V1 drops an encode-only instance's connector output
         return ModelRunnerOutput.with_ec_conn_output(out, ec_out)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-vl")
-
-
-@pytest.fixture(scope="module")
-def e_engine(tiny_model):
-    p = ProducerEngineProcess(tiny_model)
-    yield p
-    p.close()
 
 
 @pytest.fixture
@@ -115,15 +93,14 @@ def test_consumer_ignores_v1_saves_of_its_local_encodes(engine):
     assert pd.worker.endpoint.published() == [] and pd.worker.endpoint.address is None
 
 
-def test_late_item_waits_without_connector_calls(engine):
+def test_late_item_waits_without_connector_calls(engine, compat):
     """Throttled producer under V1: steps without tokens do not reach the worker connector at all;
     admission is the scheduler's alone, and the gather still sees only the final bytes."""
     from peers import ProducerProcess
 
     delay = 1.0
     pd = engine(load_timeout_s="10")
-    prod = ProducerProcess(device="cpu", pool_bytes=8 << 20, nixl_progress_thread=False,
-                           compat={"model": str(pd.vc.model_config.model), "dtype": BF16, "ec_nixl": 1})
+    prod = ProducerProcess(device="cpu", pool_bytes=8 << 20, nixl_progress_thread=False, compat=compat)
     try:
         prod.call("publish_late", ("v1-late", (ROWS, WIDTH), BF16, 84, delay))
         t0 = time.monotonic()
