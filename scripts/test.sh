@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${EC_NIXL_VENV:-.venv}
-VLLM_TESTS=(tests/test_vllm_adapter.py tests/test_vllm_mrv2.py tests/test_vllm_compat.py)
+VLLM_TESTS=(tests/test_vllm_adapter.py tests/test_vllm_mrv2.py tests/test_vllm_v1_runner.py tests/test_vllm_compat.py)
 if [ $# -eq 0 ]; then VERSIONS=${EC_NIXL_VLLM_VERSIONS-0.33.0 0.34.0}; else VERSIONS=${EC_NIXL_VLLM_VERSIONS-}; fi
 bash scripts/setup_env.sh "$VENV"
 # shellcheck disable=SC1091

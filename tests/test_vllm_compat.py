@@ -16,14 +16,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is part of the test environment")
 
-from mrv2_engine import ROWS, WIDTH, build_tiny_model, make_request, vllm_config  # noqa: E402
-
-BF16 = "bfloat16"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-vl")
+from mrv2_engine import ROWS, WIDTH, make_request, vllm_config  # noqa: E402
+from vllm_fixtures import BF16, compat, tiny_model  # noqa: E402,F401  (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +37,10 @@ def sched(consumer_config):
 
 
 @pytest.fixture
-def producer(tiny_model):
+def producer(compat):
     from peers import ProducerProcess
 
-    p = ProducerProcess(device="cpu", pool_bytes=8 << 20, nixl_progress_thread=False,
-                        compat={"model": tiny_model, "dtype": BF16, "ec_nixl": 1})
+    p = ProducerProcess(device="cpu", pool_bytes=8 << 20, nixl_progress_thread=False, compat=compat)
     yield p
     p.close()
 

@@ -18,19 +18,9 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is part of the test environment")
 
-from mrv2_engine import (  # noqa: E402
-    ROWS,
-    WIDTH,
-    MRv2Engine,
-    ProducerEngineProcess,
-    build_tiny_model,
-    encoded,
-    make_request,
-    vllm_config,
-)
+from mrv2_engine import ROWS, WIDTH, MRv2Engine, encoded, make_request, vllm_config  # noqa: E402
 from peers import make_item  # noqa: E402
-
-BF16 = "bfloat16"
+from vllm_fixtures import BF16, compat, e_engine, tiny_model  # noqa: E402,F401  (fixtures)
 
 
 def params_for(producer_address: str, items: list[tuple[str, int]]) -> dict:
@@ -38,19 +28,6 @@ def params_for(producer_address: str, items: list[tuple[str, int]]) -> dict:
     return {h: {"item_indices": [i], "metadata": {"image_grid_thw": [1, 6, 6]},
                 "ec_nixl": {"v": 1, "producer": producer_address, "shape": [ROWS, WIDTH], "dtype": BF16,
                             "nbytes": ROWS * WIDTH * 2}} for h, i in items}
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny-vl")
-
-
-@pytest.fixture(scope="module")
-def e_engine(tiny_model):
-    """An encode-only E engine (vLLM scheduler + MRv2 EC path) in its own process."""
-    p = ProducerEngineProcess(tiny_model)
-    yield p
-    p.close()
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +57,6 @@ def engine(configs):
     yield make
     for e in made:
         e.shutdown()
-
-
-@pytest.fixture(scope="module")
-def compat(tiny_model) -> dict:
-    """What an engine built from the tiny model expects of its peers (ec_nixl.vllm.options.compat_fields)."""
-    return {"model": tiny_model, "dtype": BF16, "ec_nixl": 1}
 
 
 @pytest.fixture

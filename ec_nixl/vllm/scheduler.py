@@ -411,7 +411,7 @@ class SchedulerSide:
 
             if self._resolver is None:
                 self._resolver = PlaceholderMetadataResolver(self.vllm_config.model_config)
-            base = collect_ec_item_metadata(request.mm_features, self._resolver)  # (indices: all items)
+            base = collect_ec_item_metadata(request.mm_features, self._resolver)  # item_indices count every item
         except Exception as e:  # metadata for metadata-only consumers is optional
             logger.debug("collect_ec_item_metadata unavailable: %s", e)
         host = self.opts.advertise_host or self.place.ip
