@@ -207,6 +207,8 @@ def test_item_is_not_served_before_the_kernel_writing_it(make_producer, make_con
     NOT_READY until the event completes: it retries, then lands exactly the final bytes."""
     prod = make_producer()
     cons = make_consumer(mode="read")
+    warm = [("warm", (16, 16), "float32", 1)]  # handshake first: the kernel's window is for the Get
+    fetch(cons, refs_for(prod, prod.call("publish", warm)), warm, device)
     spec = ("kernel-written", (512, 1024), "bfloat16", 13)
     desc = prod.call("publish_behind_kernel", (*spec, 2_000_000_000))
     tickets = cons.load(refs_for(prod, [desc]))
