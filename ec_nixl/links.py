@@ -290,16 +290,8 @@ class Links:
         self.listener.on_dropped(link)
 
     def _close_sockets(self, link: Link) -> None:
-        if link.sock.closed:
-            return
-        self.loop.remove_socket(link.sock)
-        self.loop.remove_socket(link.monitor)
-        try:
-            link.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        link.monitor.close(0)
-        link.sock.close(0)
+        if not link.sock.closed:
+            self.loop.close_socket(link.sock, link.monitor)
 
     # --- incoming --------------------------------------------------------------------
 

@@ -68,6 +68,19 @@ class OwnerLoop:
         except KeyError:
             pass
 
+    def close_socket(self, sock: zmq.Socket, monitor: Optional[zmq.Socket] = None) -> None:
+        """Unregister ``sock`` (and its disconnect monitor) and close them, monitor first."""
+        for s in (sock, monitor):
+            if s is not None:
+                self.remove_socket(s)
+        if monitor is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(0)
+        sock.close(0)
+
     def every_round(self, fn: Callable[[], None]) -> None:
         """``fn()`` after the commands of every round (completion polls, notification drains)."""
         self._rounds.append(fn)

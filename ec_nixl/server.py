@@ -53,7 +53,7 @@ class Server:
                  published: Optional[Published], transport: Optional[Transport],
                  stats: Callable[[], dict], on_activity: Callable[[], None]):
         self.cfg, self.me, self.metrics, self.published, self.transport = cfg, me, metrics, published, transport
-        self._stats, self._on_activity = stats, on_activity
+        self._stats, self._on_activity, self._loop = stats, on_activity, loop
         self._sessions: dict[str, Session] = {}
         self._hello_nonces: collections.OrderedDict[bytes, tuple[bytes, Optional[str]]] = collections.OrderedDict()
         host, port = split_address(cfg.listen, allow_any_port=True)
@@ -72,7 +72,7 @@ class Server:
             else:
                 self._sock.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as e:
-            self._close_sockets()
+            loop.close_socket(self._sock, self._monitor)
             raise ConfigError(f"cannot listen on {cfg.listen}: {e}") from None
         self.address = cfg.advertise or f"{host}:{port}"
         self.pusher = Pusher(published, transport, metrics, loop, self._sessions.get, self.reply) \
@@ -94,15 +94,7 @@ class Server:
             logger.debug("reply to %r dropped: %s", identity, e)
 
     def close(self) -> None:
-        self._close_sockets()
-
-    def _close_sockets(self) -> None:
-        try:
-            self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self._monitor.close(0)
-        self._sock.close(0)
+        self._loop.close_socket(self._sock, self._monitor)
 
     # --- requests --------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import pytest
 from ec_nixl.barrier import LoadBarrier
 from ec_nixl.errors import LoadFailed
 from ec_nixl.tickets import ItemRef
-from helpers import (MODES, SMALL, check, connection_state, fetch, fetch_retrying, refs_for, set_peer_timeout,
+from helpers import (MODES, SMALL, connection_state, fetch, fetch_retrying, refs_for, set_peer_timeout,
                      timing)
 
 
