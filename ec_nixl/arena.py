@@ -61,6 +61,7 @@ class Arena:
         self.device = torch.device(device)
         self.size = int(size)
         self._owner = None
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # whole-arena views per dtype (typed_view)
         if self.device.type == "cpu":
             self.mem_type = "DRAM"
             self.device_id = 0
@@ -79,6 +80,19 @@ class Arena:
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.bytes[offset : offset + nbytes]
 
+    def typed_view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous ``shape``/``dtype`` tensor at byte ``offset`` (a multiple of the dtype's
+        size): one ``as_strided`` over a cached typed view of the arena, not three view calls
+        (it is on the load path)."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self.bytes[: self.size - self.size % dtype.itemsize].view(dtype)
+        strides, step = [], 1
+        for d in reversed(shape):
+            strides.append(step)
+            step *= d
+        return typed.as_strided(tuple(shape), tuple(reversed(strides)), offset // dtype.itemsize)
+
     def contains(self, t: torch.Tensor) -> bool:
         """True when ``t``'s bytes lie entirely inside this arena (so it needs no copy)."""
         if t.device != self.device:
@@ -87,6 +101,7 @@ class Arena:
         return self.base <= start and start + t.numel() * t.element_size() <= self.base + self.size
 
     def close(self) -> None:
+        self._typed.clear()
         self.bytes = None  # type: ignore[assignment]
         owner, self._owner = self._owner, None
         if isinstance(owner, _CudaMalloc):

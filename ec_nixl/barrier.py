@@ -51,33 +51,32 @@ class LoadBarrier:
         """
         t0 = time.perf_counter()
         if not all(t.state is TicketState.LANDED for t in tickets):
-            budget = timeout
-            if budget is None:
-                budget = max((t.deadline for t in tickets), default=0.0) - time.monotonic() + 0.05
-            loader = self.endpoint.loader
-            if loader is not None and self.endpoint.loop.is_owner:
-                loader.drive(list(tickets), time.monotonic() + max(0.0, budget), settle=self.settle)
-            else:
-                self.endpoint.wait_for(lambda: all(t.done for t in tickets), max(0.0, budget))
+            self._wait_landed(tickets, timeout)
+        out = {t.mm_hash: t.tensor() for t in tickets}
+        events = [t.event for t in tickets if t.event is not None]
+        if events:
+            stream = torch.cuda.current_stream()
+            for e in events:
+                stream.wait_event(e)
+        self.endpoint.metrics.wait(time.perf_counter() - t0)
+        return out
+
+    def _wait_landed(self, tickets: Sequence[LoadTicket], timeout: Optional[float]) -> None:
+        """Wait until every ticket is final, within budget; raise ``LoadFailed`` unless all landed."""
+        budget = timeout
+        if budget is None:
+            budget = max((t.deadline for t in tickets), default=0.0) - time.monotonic() + 0.05
+        loader = self.endpoint.loader
+        if loader is not None and self.endpoint.loop.is_owner:
+            loader.drive(list(tickets), time.monotonic() + max(0.0, budget), settle=self.settle)
+        else:
+            self.endpoint.wait_for(lambda: all(t.done for t in tickets), max(0.0, budget))
         late = [t for t in tickets if not t.done]
         if late:  # out of time: make them final (quarantining any DMA target) before reporting
             self.endpoint.cancel(late, "not landed before the barrier's deadline")
         failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state is not TicketState.LANDED}
         if failures:
             raise LoadFailed(failures)
-        out = {t.mm_hash: t.tensor() for t in tickets}
-        self._order_stream(tickets)
-        self.endpoint.metrics.wait(time.perf_counter() - t0)
-        return out
-
-    @staticmethod
-    def _order_stream(tickets: Sequence[LoadTicket]) -> None:
-        events = [getattr(t, "event", None) for t in tickets]
-        events = [e for e in events if e is not None]
-        if events:
-            stream = torch.cuda.current_stream()
-            for e in events:
-                stream.wait_event(e)
 
     @staticmethod
     def failed(tickets: Sequence[LoadTicket]) -> dict[str, str]:

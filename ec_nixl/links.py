@@ -37,6 +37,7 @@ from ec_nixl.states import LINK_NEXT, LinkState, advance
 if TYPE_CHECKING:
     from ec_nixl.transport import Peer, Transport
 
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: the flag Enums cost a Python call each
 logger = logging.getLogger("ec_nixl")
 
 FAILED_BACKOFF_S = 0.5
@@ -221,6 +222,14 @@ class Links:
     def _hello(self, link: Link) -> P.Hello:
         t = self.transport
         return handshake.hello(self.me, link.nonce, t.metadata if t else None, t.arena_info if t else None)
+
+    def unread(self, link: Link) -> bool:
+        """A disconnect may wait in the link's monitor (ZMQ's ``EVENTS`` check, no poll): a
+        direct path must let the loop take it in first (the producer may have restarted)."""
+        try:
+            return bool(link.monitor.getsockopt(_EVENTS) & _POLLIN)
+        except zmq.ZMQError:
+            return True
 
     def busy(self, link: Link) -> bool:
         return bool(link.queries or link.unsent) or self.listener.has_work(link)

@@ -82,7 +82,7 @@ class Loader:
         self.cfg, self.pool, self.transport, self.metrics, self.loop, self.links = \
             cfg, pool, transport, metrics, loop, links
         self._lanes: dict[Link, _Lane] = {}
-        self._reads: list[LoadTicket] = []  # READs in flight
+        self._reads: dict[Xfer, list[LoadTicket]] = {}  # READs in flight: request -> its tickets
         self._retry: list[LoadTicket] = []  # waiting for pool space or a NOT_READY retry
         self._zombies: list[tuple[Xfer, Slot]] = []  # transfers NIXL could not cancel yet
         self._settle: list[tuple[Xfer, list[LoadTicket]]] = []  # landed requests to settle
@@ -95,15 +95,22 @@ class Loader:
     # --- public (any thread) ---------------------------------------------------------
 
     def load(self, refs: Iterable[ItemRef], timeout: Optional[float] = None) -> list[LoadTicket]:
-        """Start loading ``refs``; returns one ticket each at once (see ``LoadBarrier``)."""
+        """Start loading ``refs``; returns one ticket each at once (see ``LoadBarrier``).
+
+        On the owner thread, items whose place a Hold gave travel the direct path (``_post_held``):
+        slot, READ posted, nothing else first. Everything else is dispatched by ``_start``.
+        """
         deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.load_timeout_s)
-        tickets = [LoadTicket(r, deadline, self.pool) for r in refs]
+        pool = self.pool
+        tickets = [LoadTicket(r, deadline, pool) for r in refs]
         producers: set[str] = set()  # addresses checked in this call
+        find = self.links.find
         for t in tickets:
             try:
                 P.validate_item(t.ref.desc)
                 if t.ref.producer not in producers:
-                    split_address(t.ref.producer)
+                    if find(t.ref.producer) is None:  # a link's address was checked when it was made
+                        split_address(t.ref.producer)
                     producers.add(t.ref.producer)
             except ECNixlError as e:
                 self.fail(t, str(e), "BAD_REQUEST")
@@ -111,13 +118,15 @@ class Loader:
         if not good:
             return tickets
         if self.loop.is_owner:
-            if not self.loop.threaded:
-                # Unthreaded: take in what happened since we last ran (a producer that went away
-                # left a disconnect in its link's monitor) before any load picks a link.
-                self.loop.progress(0.0)
-            # The caller drives the endpoint: dispatch and post now, not at the end of a round.
-            self._start(good)
-            self.flush()
+            # The caller drives the endpoint: post now, not at the end of a round.
+            rest = self._post_held(good)
+            if rest:
+                if not self.loop.threaded:
+                    # Unthreaded: take in what happened since we last ran (a producer that went
+                    # away left a disconnect in its link's monitor) before these pick a link.
+                    self.loop.progress(0.0)
+                self._start(rest)
+                self.flush()
         else:
             self.loop.call(lambda: self._start(good))
         return tickets
@@ -215,7 +224,8 @@ class Loader:
         return bool(t.ref.incarnation) and t.ref.incarnation != link.incarnation
 
     def _in_use(self, link: Link) -> bool:
-        return self.links.busy(link) or any(r.pending and r.ref.producer == link.address for r in self._reads)
+        return self.links.busy(link) or any(t.pending and t.ref.producer == link.address
+                                            for batch in self._reads.values() for t in batch)
 
     def _dispatch(self, link: Link, t: LoadTicket) -> None:
         """Reserve the slot and ask for the item the way this link prefers."""
@@ -269,25 +279,72 @@ class Loader:
                                                                nbytes=t.ref.desc.nbytes) for t in batch]))
 
     def _post_reads(self, link: Link, lane: _Lane) -> None:
+        batch = [(t, b) for t, b in lane.read_queue if t.pending]
+        lane.read_queue = []
+        if batch:
+            self._post(link, batch)
+
+    def _post_held(self, tickets: list[LoadTicket]) -> list[LoadTicket]:
+        """The direct path (owner thread): post at once the READs of items whose place a valid
+        Hold gave, on a ready READ link to the incarnation that held them, as one request per
+        producer. Returns the tickets that need the general path (``_start``): no place, a link
+        not ready or in another mode, another incarnation, no pool space now, or a link with
+        something unread (a disconnect, a message) that must be taken in first."""
+        rest: list[LoadTicket] = []
+        groups: dict[str, tuple[Optional[Link], list]] = {}
+        wall = time.time()
+        pool = self.pool
+        for t in tickets:
+            ref = t.ref
+            if ref.block < 0 or wall >= ref.valid_until:
+                rest.append(t)
+                continue
+            group = groups.get(ref.producer)
+            if group is None:
+                link = self.links.find(ref.producer)
+                if link is not None and (link.state is not LinkState.READY or link.mode != "read"
+                                         or self.links.unread(link)):
+                    link = None
+                group = groups[ref.producer] = (link, [])
+            link = group[0]
+            if link is None or (ref.incarnation and ref.incarnation != link.incarnation):
+                rest.append(t)
+                continue
+            try:
+                t.slot = pool.allocate(ref.desc.nbytes, tag=ref.desc.mm_hash)
+            except ECNixlError:
+                rest.append(t)  # _dispatch retries, waits for space or fails it with the reason
+                continue
+            t.mode = "read"
+            group[1].append((t, ref.block))
+        for link, batch in groups.values():
+            if batch:
+                self.links.wake(link)
+                self._post(link, batch)
+        return rest
+
+    def _post(self, link: Link, batch: list[tuple[LoadTicket, int]]) -> None:
+        """Post ``(ticket, producer block)`` pairs as ONE READ request, then, while the DMA runs,
+        build each item's tensor view (off the hand-over's path)."""
         # No notification rides the READ: NIXL would report DONE only once the producer's side
         # has taken it, which needs the producer's progress. A ReadDone message is sent after
         # DONE instead (settle), off the hand-over.
-        batch = [(t, b) for t, b in lane.read_queue if t.pending]
-        lane.read_queue = []
-        if not batch:
-            return
         t_post = time.perf_counter()
+        blocks_for = self.pool.blocks_for
         try:
-            x = self.transport.post_many("READ", link.peer, [(t.slot.block, b, self.pool.blocks_for(t.ref.desc.nbytes))
+            x = self.transport.post_many("READ", link.peer, [(t.slot.block, b, blocks_for(t.ref.desc.nbytes))
                                                              for t, b in batch])
         except TransferFailed as e:
             for t, _ in batch:
                 self.fail(t, str(e), e.reason)
             return
-        for t, _ in batch:
+        tickets = [t for t, _ in batch]
+        self._reads[x] = tickets
+        for t in tickets:
             t.xfer, t.t_post = x, t_post
             t.enter(Phase.READ)
-            self._reads.append(t)
+        for t in tickets:
+            t.prepare_view()
 
     # --- the waiter drives its own transfers (owner thread) ----------------------------
 
@@ -300,21 +357,29 @@ class Loader:
         thread hand-off, no socket poll between a READ's completion and its hand-over.
         ``settle=False`` leaves the after-completion work to the caller's next round.
         """
-        last_round = time.monotonic()
-        while True:
-            pending = [t for t in tickets if t.pending]
-            if not pending:
-                if settle:
-                    self.settle()
-                return True
+        pending = [t for t in tickets if t.pending]
+        next_round = time.monotonic() + ROUND_EVERY_S
+        while pending:
             now = time.monotonic()
             if now >= deadline:
                 return False
-            if all(t.phase is Phase.READ for t in pending) and now - last_round < ROUND_EVERY_S:
-                self._poll_xfers({id(t.xfer): t.xfer for t in pending})
+            if now < next_round and all(t.phase is Phase.READ for t in pending):
+                xfers = list({t.xfer: None for t in pending})
+                finished = self.transport.finished
+                while True:  # nothing but NIXL status checks until one is final or a round is due
+                    done = finished(xfers)
+                    if done:
+                        self._complete(done)
+                        break
+                    if time.monotonic() >= next_round:
+                        break
             else:
                 self.loop.progress(0.0)
-                last_round = now
+                next_round = time.monotonic() + ROUND_EVERY_S
+            pending = [t for t in pending if t.pending]
+        if settle:
+            self.settle()
+        return True
 
     # --- link events (owner thread) --------------------------------------------------
 
@@ -333,9 +398,10 @@ class Loader:
 
     def on_down(self, link: Link, error: str, reason: str) -> None:
         """Fail everything that depends on ``link`` (DMA targets are kept out of use by ``fail``)."""
-        for t in list(self._reads):
-            if t.pending and t.ref.producer == link.address:
-                self.fail(t, error, reason)
+        for batch in list(self._reads.values()):
+            for t in batch:
+                if t.pending and t.ref.producer == link.address:
+                    self.fail(t, error, reason)
         lane = self._lanes.get(link)
         if lane is None:
             return
@@ -425,36 +491,28 @@ class Loader:
     def poll(self) -> None:
         """Finish the READs NIXL reports done, then settle their requests (every round)."""
         if self._reads:
-            self._poll_xfers({id(t.xfer): t.xfer for t in self._reads if t.pending})
+            for x in [x for x, batch in self._reads.items() if not any(t.pending for t in batch)]:
+                del self._reads[x]  # every ticket failed: ``fail`` took care of the request and slots
+            done = self.transport.finished(list(self._reads))
+            if done:
+                self._complete(done)
         if self._settle:
             self.settle()
 
-    def _poll_xfers(self, xfers: dict[int, Xfer]) -> None:
-        """Poll these requests; land the tickets of each that is DONE (at once: nothing else
-        stands between completion and hand-over) and fail those of each that erred."""
-        finished: set[int] = set()
-        for key, x in xfers.items():
-            st = self.transport.poll(x)
-            if st != "PROC":
-                finished.add(key)
-        if not finished:
-            return
-        still: list[LoadTicket] = []
-        done: dict[int, tuple[Xfer, list[LoadTicket]]] = {}
-        for t in self._reads:
-            if not t.pending:
-                continue
-            if id(t.xfer) not in finished:
-                still.append(t)
-            elif t.xfer.state == "DONE":
-                done.setdefault(id(t.xfer), (t.xfer, []))[1].append(t)
-            else:
-                self.fail(t, f"READ from {t.ref.producer} failed (NIXL ERR)", "XFER_ERR")
-        self._reads = still
+    def _complete(self, xfers: list[Xfer]) -> None:
+        """Requests NIXL reports final: land their tickets (at once: nothing else stands between
+        completion and hand-over) or fail them (ERR)."""
         now = time.monotonic()
-        for x, tickets in done.values():
+        for x in xfers:
+            tickets = self._reads.pop(x, ())
+            if x.state != "DONE":
+                for t in tickets:
+                    self.fail(t, f"READ from {t.ref.producer} failed (NIXL ERR)", "XFER_ERR")
+                continue
             landed = []
             for t in tickets:
+                if not t.pending:
+                    continue
                 t.xfer = None
                 if now > t.deadline:
                     # Seen done only after its deadline (this process was stopped or starved):
@@ -537,9 +595,10 @@ class Loader:
                     else:
                         keep.append((slot, until))
                 lane.zombies = keep
-        for t in self._reads:
-            if t.pending and now >= t.deadline:
-                self.fail(t, self._timeout_msg(t), "TIMEOUT")
+        for batch in list(self._reads.values()):
+            for t in batch:
+                if t.pending and now >= t.deadline:
+                    self.fail(t, self._timeout_msg(t), "TIMEOUT")
         if self._retry:
             retry, self._retry = self._retry, []
             for t in retry:

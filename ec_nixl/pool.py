@@ -81,7 +81,7 @@ class Slot:
         n = torch.Size(shape).numel() * dtype.itemsize
         if n > self.nblocks * self.pool.block_size:
             raise ValueError(f"{tuple(shape)} {dtype} needs {n} B; {self!r} has {self.nblocks * self.pool.block_size}")
-        return self.pool.arena.view(self.offset, n).view(dtype).view(*shape)
+        return self.pool.arena.typed_view(self.offset, shape, dtype)
 
     def __repr__(self) -> str:
         return f"Slot(id={self.id}, block={self.block}, nblocks={self.nblocks}, {self.state}, holds={self.holds}, {self.tag!r})"

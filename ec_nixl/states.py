@@ -76,7 +76,7 @@ class Phase(State):
 
 _DISPATCHED = frozenset({Phase.POOL, Phase.GRANT, Phase.READ_QUEUED, Phase.PUSH, Phase.DONE})
 PHASE_NEXT = {
-    Phase.QUEUED: _DISPATCHED | {Phase.CONNECTING},
+    Phase.QUEUED: _DISPATCHED | {Phase.CONNECTING, Phase.READ},  # READ: a held item, posted at once
     Phase.CONNECTING: _DISPATCHED,
     Phase.POOL: _DISPATCHED,
     Phase.GRANT: frozenset({Phase.GRANT, Phase.READ_QUEUED, Phase.PUSH, Phase.DONE}),

@@ -90,8 +90,15 @@ class LoadTicket:
         """Move to ``phase`` (owner thread; the table in ``states`` says which moves exist)."""
         self.phase = advance(self.phase, phase, PHASE_NEXT)
 
+    def prepare_view(self) -> None:
+        """Build the item's tensor view ahead of landing (while its READ runs): the hand-over
+        then only flips the state. The view is not handed out before ``land``."""
+        if self._view is None and self.slot is not None:
+            d = self.ref.desc
+            self._view = self.slot.view(d.shape, torch_dtype(d.dtype))
+
     def land(self) -> None:
-        """The bytes are in our pool: build the view now, off the waiter's path."""
+        """The bytes are in our pool: build the view now (unless prepared), off the waiter's path."""
         self.enter(Phase.DONE)
         self.t_done = time.perf_counter()
         self.state = advance(self.state, TicketState.LANDED, TICKET_NEXT)

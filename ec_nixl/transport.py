@@ -326,6 +326,24 @@ class Transport:
                 x.state = "ERR"
         return x.state
 
+    def finished(self, xfers: list[Xfer]) -> list[Xfer]:
+        """Those of ``xfers`` that are final now (DONE or ERR): ``poll`` for many, lean enough for
+        a waiter's spin loop (one owner check, one NIXL status call per request in flight)."""
+        self._check_owner()
+        check = self._agent.check_xfer_state
+        out = []
+        for x in xfers:
+            if x.state == "PROC" and not x.released:
+                try:
+                    x.state = check(x.handle)
+                except Exception as e:
+                    logger.warning("check_xfer_state(%s) raised %s", x.peer, e)
+                    x.state = "ERR"
+                if x.state == "PROC":
+                    continue
+            out.append(x)
+        return out
+
     def telemetry(self, x: Xfer) -> Optional[tuple[float, float, int, int]]:
         """(post_us, xfer_us, bytes, descriptors) of a finished transfer, if NIXL captured it."""
         if not self._telemetry:

@@ -47,6 +47,24 @@ def test_alignment_views_and_reserved_probe_area(pool):
     assert pool.stats().used == 3 * BLOCK
 
 
+@pytest.mark.parametrize("shape,dtype", [((3, 5), torch.float32), ((1369, 7), torch.bfloat16), ((2, 3, 4), torch.int8),
+                                         ((17,), torch.float64), ((1, 1), torch.float16)])
+def test_slot_view_is_the_slots_bytes(pool, shape, dtype):
+    """``Slot.view`` (one as_strided over a cached typed view of the arena) is exactly the slot's
+    first bytes, contiguous, of that shape and dtype: same storage, same offset, same values."""
+    pool.allocate(BLOCK)  # the slot under test does not start at the first usable block
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    s = pool.allocate(nbytes)
+    raw = s.bytes()
+    raw.copy_(torch.arange(raw.numel(), dtype=torch.int64).remainder(251).to(torch.uint8))
+    v = s.view(shape, dtype)
+    assert tuple(v.shape) == shape and v.dtype == dtype and v.is_contiguous()
+    assert v.data_ptr() == pool.arena.base + s.offset
+    assert torch.equal(v.reshape(-1).view(torch.uint8), raw[:nbytes])
+    with pytest.raises(ValueError, match="needs"):
+        s.view((s.nblocks * BLOCK + 1,), torch.uint8)
+
+
 def test_fragmentation_reuse_and_coalescing(pool):
     rng = random.Random(0)
     live = []
