@@ -15,7 +15,7 @@ import time
 
 from ec_nixl.bench import proc
 from ec_nixl.bench.memory import Source, pin, unpin
-from ec_nixl.bench.paths import STAGERS, raw_nixl, ucx
+from ec_nixl.bench.paths import STAGERS, ours, raw_nixl, ucx
 from ec_nixl.bench.units import BLOCK
 
 
@@ -46,6 +46,7 @@ class Producer:
         self._cursor, self._n = 0, 0
         self.files: list[str] = []
         self.raw = None
+        self.unpublished: dict = {}  # publish-landed: staged groups not yet published
 
     # --- for the stagers -----------------------------------------------------------------
 
@@ -89,6 +90,12 @@ class Producer:
 
         nbytes, shape, dtype = spec
         return [STAGERS[kind](self, tag, nbytes, shape, getattr(torch, dtype), per_op) for _ in range(n_ops)]
+
+    def stage_unpublished(self, tag: str, spec: tuple, n_ops: int, per_op: int) -> list:
+        return ours.stage_unpublished(self, tag, spec, n_ops, per_op)
+
+    def publish_staged(self, group: str) -> tuple:
+        return ours.publish_staged(self, group)
 
     def stats(self) -> dict:
         out = {"dev": self.ep.stats()}

@@ -1,12 +1,17 @@
-"""ec-nixl's own paths: ``ours-read``, ``ours-write``, ``staged-write``, and the landed-barrier case.
+"""ec-nixl's own paths: ``ours-read``, ``ours-write``, ``staged-write``, ``publish-landed``, and the
+landed-barrier case.
 
 ``ours-read``     ``Endpoint.load()`` -> ``LoadBarrier.wait()`` returned; the consumer READs the
                   item from the producer's pool at the place a ``hold()`` gave (no grant round trip).
 ``ours-write``    the same on a write-mode link: the producer WRITEs into the consumer's slot.
+``publish-landed`` the producer's ``publish_slot`` -> the consumer's barrier returned, with the
+                  announcement and the Hold round trip in between (see ``PublishLanded``).
 ``staged-write``  ECMooncakeConnector-style: ``publish()`` of a tensor outside the pool (a staging
                   copy into the registered pool, + synchronize), then the same WRITE; the sample is
                   the producer's stage time plus the consumer's load time (back to back).
 Producer items of ``ours-*`` are written in place into ``reserve()``d slots (zero-copy publish).
+A chunk's operations run back to back into distinct slots; their bytes are checked after the last
+(as the raw-nixl paths do) and their slots go back before the next chunk, untimed.
 Only the public API is used (``Endpoint``, ``ItemRef``, ``LoadBarrier``): this is what a user gets.
 """
 
@@ -49,6 +54,17 @@ class OursRead(Path):
             i += len(descs)
         return out
 
+    def samples(self, k: int) -> list[float]:
+        """``k`` operations back to back, their bytes checked after the last (as raw-nixl does:
+        a check per operation would put a device synchronization between every two)."""
+        self.finish()  # last chunk's landed steps go back first (untimed): the chunk has the pool
+        self.landed: list[tuple] = []
+        times = [self.op(p) for p in self.prepare(k)]
+        for refs, probes, out in self.landed:
+            for r, p in zip(refs, probes):
+                check(as_u8(out[r.mm_hash]), p, f"{self.name} {r.mm_hash}")
+        return times
+
     def op(self, payload) -> float:
         refs, probes, stage = payload
         ep, barrier = self.c.eps[self.ep_key], self.c.barriers[self.ep_key]
@@ -57,9 +73,8 @@ class OursRead(Path):
         out = barrier.wait(tickets, timeout=60)
         dt = time.perf_counter() - t0
         ep.progress()  # the end of the step: settle (read-done to the producer), untimed
-        for r, p in zip(refs, probes):
-            check(as_u8(out[r.mm_hash]), p, f"{self.name} {r.mm_hash}")
-        self.keep(tickets)
+        self.ring.append(tickets)
+        self.landed.append((refs, probes, out))
         return dt + stage
 
 
@@ -71,6 +86,34 @@ class OursWrite(OursRead):
 class StagedWrite(OursRead):
     name = "staged-write"
     ep_key, kind, hold = "write", "staged", False
+
+
+class PublishLanded(OursRead):
+    """``publish-landed``: one step's whole hand-off, from the producer's ``publish_slot`` call to
+    ``LoadBarrier.wait`` returned on the consumer: the announcement (the bench's pipe stands in for
+    vLLM's encoder response -> proxy -> scheduler), the Hold round trip, the READ and the barrier.
+    Timed on the clock both processes share (``perf_counter`` is CLOCK_MONOTONIC on Linux). The
+    items were written into reserved slots beforehand, untimed: that is the encoder's work."""
+
+    name = "publish-landed"
+    ep_key = "read"
+
+    def prepare(self, k: int) -> list:
+        return self.c.rpc("stage_unpublished", self.tag, self.spec_tuple(), k, self.per_op)
+
+    def op(self, payload) -> float:
+        group, probes = payload
+        c = self.c
+        ep, barrier = c.eps[self.ep_key], c.barriers[self.ep_key]
+        t_publish, descs = c.rpc("publish_staged", group)
+        refs = held_refs(ep, c.info["address"], descs)
+        tickets = ep.load(refs)
+        out = barrier.wait(tickets, timeout=60)
+        t_landed = time.perf_counter()
+        ep.progress()
+        self.ring.append(tickets)
+        self.landed.append((refs, probes, out))
+        return t_landed - t_publish
 
 
 # --- producer side: how the items of these paths come to be -------------------------------------
@@ -96,6 +139,34 @@ def stage_copy(prod, tag: str, nbytes: int, shape, tdt, per_op: int) -> tuple:
     descs = [prod.ep.publish(h, s.view(tdt).view(shape)) for h, s in srcs]
     sync(prod.device)
     return descs, [probe(s) for _, s in srcs], time.perf_counter() - t0
+
+
+def stage_unpublished(prod, tag: str, spec: tuple, n_ops: int, per_op: int) -> list:
+    """publish-landed's items: written into reserved slots, kept unpublished until
+    ``publish_staged``. Returns per operation (group id, head/tail probes)."""
+    nbytes, shape, dtype = spec
+    import torch
+
+    out = []
+    for _ in range(n_ops):
+        slots = []
+        for _ in range(per_op):
+            h = prod.new_hash(tag)
+            slot = prod.reserve(prod.ep, nbytes, h)
+            slot.bytes()[:nbytes].copy_(prod.src_region(nbytes))
+            slots.append((h, slot))
+        group = prod.new_hash(f"{tag}-group")
+        prod.unpublished[group] = (slots, shape, getattr(torch, dtype))
+        out.append((group, [probe(slot.bytes()[:nbytes]) for _, slot in slots]))
+    sync(prod.device)
+    return out
+
+
+def publish_staged(prod, group: str) -> tuple[float, list]:
+    """Publish one staged group now: (the moment publishing began, its descriptions)."""
+    slots, shape, tdt = prod.unpublished.pop(group)
+    t0 = time.perf_counter()
+    return t0, [prod.ep.publish_slot(h, slot, shape, tdt) for h, slot in slots]
 
 
 # --- the barrier on items that already landed ----------------------------------------------------

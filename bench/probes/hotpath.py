@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Probe: where a consumer's load -> barrier spends its host time (the ``ours-read`` path).
+
+A bench producer runs in its own process (items written in place into reserved slots, as in
+``ec-nixl bench``); this process is a caller-driven consumer that holds a batch of items, then
+times ``Endpoint.load`` -> ``LoadBarrier.wait`` per operation, settles untimed, and releases.
+With ``--profile`` the timed operations also run under cProfile and the top entries are printed:
+the tool for cutting the connector's own per-operation cost (issue: the hot path at the
+physical limit). Not a benchmark of record: ``ec-nixl bench`` is (it has the raw-NIXL floor).
+
+    python bench/probes/hotpath.py [--device cpu|cuda] [--size 64K] [--items 1] [--n 300] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import time
+
+
+def bare_read(ep, refs) -> float:
+    """One READ of ``refs``' producer blocks into a scratch slot through the endpoint's transport:
+    post, poll until final, release (what ec-nixl adds nothing to)."""
+    link = ep.links.find(refs[0].producer)
+    n = [ep.pool.blocks_for(r.desc.nbytes) for r in refs]
+    slot = ep.pool.allocate(sum(n) * ep.pool.block_size, tag="bare")
+    ranges, at = [], slot.block
+    for r, k in zip(refs, n):
+        ranges.append((at, r.block, k))
+        at += k
+    t0 = time.perf_counter()
+    x = ep.transport.post_many("READ", link.peer, ranges)
+    while not ep.transport.finished([x]):
+        pass
+    dt = time.perf_counter() - t0
+    ep.transport.release(x)
+    ep.pool.release(slot)
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--size", default="64K")
+    ap.add_argument("--items", type=int, default=1)
+    ap.add_argument("--n", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=50, help="operations prepared (held) at a time")
+    ap.add_argument("--mode", choices=("read", "write"), default="read", help="the link's mode (write: no hold)")
+    ap.add_argument("--check", action="store_true", help="check each item's head and tail bytes after each op "
+                    "(as ec-nixl bench does; on CUDA that synchronizes)")
+    ap.add_argument("--ring", type=int, default=0, help="landed operations kept before release (distinct slots)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the bare transfer through the endpoint's own agent and link (no tickets)")
+    ap.add_argument("--top", type=int, default=40)
+    a = ap.parse_args()
+
+    import torch
+
+    from ec_nixl import Endpoint, EndpointConfig, LoadBarrier
+    from ec_nixl.bench.memory import as_u8, check
+    from ec_nixl.bench.paths.ours import held_refs
+    from ec_nixl.bench.producer import ProducerProcess
+    from ec_nixl.bench.units import BLOCK, parse_size
+
+    spec = parse_size(a.size)
+    per_batch = spec.nbytes * a.items * a.batch
+    pool = max(64 << 20, 2 * per_batch + (a.ring + 1) * spec.nbytes * a.items + (16 << 20))
+    if a.device.startswith("cuda"):
+        torch.cuda.set_device(0)
+    else:
+        torch.set_num_threads(1)
+    prod = ProducerProcess(device=a.device, pool_bytes=pool)
+    ep = Endpoint(EndpointConfig(name=f"hotpath-{os.getpid()}", device=a.device, mode=a.mode, pool_bytes=pool,
+                                 block_bytes=BLOCK, threaded=False, load_timeout_s=60.0))
+    barrier = LoadBarrier(ep, settle=False)
+    prof = cProfile.Profile() if a.profile else None
+    times: list[float] = []
+    floor: list[float] = []
+    ring: list = []
+    try:
+        done = -5  # warm-up operations first
+        while done < a.n:
+            k = min(a.batch, a.n - done)
+            groups = prod.rpc("items", "ours", f"hp{done}", (spec.nbytes, spec.shape, spec.dtype), k, a.items)
+            refs = held_refs(ep, prod.address, [d for g in groups for d in g[0]], hold=a.mode == "read")
+            probes = [p for g in groups for p in g[1]]
+            for i in range(k):
+                op = refs[i * a.items:(i + 1) * a.items]
+                if prof is not None and done >= 0:
+                    prof.enable()
+                t0 = time.perf_counter()
+                tickets = ep.load(op)
+                out = barrier.wait(tickets, timeout=60)
+                dt = time.perf_counter() - t0
+                if prof is not None:
+                    prof.disable()
+                ep.progress()
+                if a.check:
+                    for r, p in zip(op, probes[i * a.items:(i + 1) * a.items]):
+                        check(as_u8(out[r.mm_hash]), p, r.mm_hash)
+                ring.append(tickets)
+                while len(ring) > a.ring:
+                    for t in ring.pop(0):
+                        t.release()
+                if done >= 0:
+                    times.append(dt)
+                    if a.floor and a.mode == "read":
+                        floor.append(bare_read(ep, op))
+                done += 1
+    finally:
+        ep.close()
+        prod.close()
+    times.sort()
+    print(f"{a.device} {a.mode} {a.size} x{a.items} check={a.check} ring={a.ring}: n={len(times)} p50 {statistics.median(times) * 1e6:.1f} us "
+          f"p10 {times[len(times) // 10] * 1e6:.1f} p90 {times[len(times) * 9 // 10] * 1e6:.1f} "
+          f"min {times[0] * 1e6:.1f}")
+    if floor:
+        floor.sort()
+        print(f"bare transfer (same agent, link, blocks; post + poll, no ec-nixl bookkeeping): "
+              f"p50 {statistics.median(floor) * 1e6:.1f} us min {floor[0] * 1e6:.1f}")
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
+
+
+if __name__ == "__main__":
+    main()
