@@ -90,6 +90,10 @@ class LoadTicket:
         """Move to ``phase`` (owner thread; the table in ``states`` says which moves exist)."""
         self.phase = advance(self.phase, phase, PHASE_NEXT)
 
+    @property
+    def has_view(self) -> bool:
+        return self._view is not None
+
     def prepare_view(self) -> None:
         """Build the item's tensor view ahead of landing (while its READ runs): the hand-over
         then only flips the state. The view is not handed out before ``land``."""
