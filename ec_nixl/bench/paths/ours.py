@@ -119,14 +119,20 @@ class PublishLanded(OursRead):
 # --- producer side: how the items of these paths come to be -------------------------------------
 
 
-def stage_in_place(prod, tag: str, nbytes: int, shape, tdt, per_op: int) -> tuple:
-    """The encoder writes its output straight into a reserved slot (untimed: not the transfer)."""
+def _write_reserved(prod, tag: str, nbytes: int, n: int) -> list:
+    """``n`` encoder outputs written straight into reserved slots: [(mm_hash, slot)] (no sync)."""
     slots = []
-    for _ in range(per_op):
+    for _ in range(n):
         h = prod.new_hash(tag)
         slot = prod.reserve(prod.ep, nbytes, h)
         slot.bytes()[:nbytes].copy_(prod.src_region(nbytes))
         slots.append((h, slot))
+    return slots
+
+
+def stage_in_place(prod, tag: str, nbytes: int, shape, tdt, per_op: int) -> tuple:
+    """The encoder writes its output straight into a reserved slot (untimed: not the transfer)."""
+    slots = _write_reserved(prod, tag, nbytes, per_op)
     sync(prod.device)
     descs = [prod.ep.publish_slot(h, slot, shape, tdt) for h, slot in slots]
     return descs, [probe(slot.bytes()[:nbytes]) for _, slot in slots], 0.0
@@ -149,12 +155,7 @@ def stage_unpublished(prod, tag: str, spec: tuple, n_ops: int, per_op: int) -> l
 
     out = []
     for _ in range(n_ops):
-        slots = []
-        for _ in range(per_op):
-            h = prod.new_hash(tag)
-            slot = prod.reserve(prod.ep, nbytes, h)
-            slot.bytes()[:nbytes].copy_(prod.src_region(nbytes))
-            slots.append((h, slot))
+        slots = _write_reserved(prod, tag, nbytes, per_op)
         group = prod.new_hash(f"{tag}-group")
         prod.unpublished[group] = (slots, shape, getattr(torch, dtype))
         out.append((group, [probe(slot.bytes()[:nbytes]) for _, slot in slots]))
