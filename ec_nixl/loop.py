@@ -28,6 +28,8 @@ logger = logging.getLogger("ec_nixl")
 IDLE_POLL_S = 0.5
 """Longest a round blocks in the poller when no part asks for sooner: an endpoint holding nothing
 sleeps until a message or a command wakes it (timers then run at least this often)."""
+WAIT_ROUND_S = 0.001
+"""Longest an owner's ``wait_for`` blocks between two rounds."""
 TICK_S = 0.002
 """Period of the timers (deadlines, heartbeats, lease expiry, pool reclaim)."""
 
@@ -141,15 +143,16 @@ class OwnerLoop:
         """Wait until ``pred()`` or ``timeout``; the owner pumps progress meanwhile."""
         deadline = time.monotonic() + timeout
         if self.is_owner:
-            spins = 0
             while not pred():
-                now = time.monotonic()
-                if now >= deadline:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     return False
-                self.progress(0.0)
-                spins += 1
-                if spins > 200 and not pred():
-                    time.sleep(min(0.0005, max(0.0, deadline - now)))
+                # Block in the poller until a message or a command arrives (a reply: at once),
+                # or until the parts' idle hints want a round (READs in flight: now), 1 ms at
+                # most (what has no file descriptor, e.g. a NIXL notification). Spinning here
+                # instead starved the process's own ZMQ thread on small hosts (a Hold's answer
+                # took 2 ms on two cores).
+                self.progress(min(self._idle_timeout(), WAIT_ROUND_S, remaining))
             return True
         with self._cv:
             while not pred():
