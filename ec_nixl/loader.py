@@ -35,10 +35,6 @@ from ec_nixl.transport import Transport, Xfer
 logger = logging.getLogger("ec_nixl")
 
 _RETRYABLE = frozenset({P.Nack.NOT_READY.value, P.Nack.BUSY.value})
-POST_EVERY_BYTES = 64 << 20
-"""The direct path posts a step's READs from one producer as requests of about this many bytes,
-each as soon as it is full, so the next items' bookkeeping overlaps DMAs already running (a
-request costs NIXL/UCX ~15 us to post on the H200, each descriptor ~3 us more)."""
 ROUND_EVERY_S = 0.001
 """While a waiter polls its own READs, it still runs a full loop round this often (heartbeats,
 grants and messages of other work must not starve)."""
@@ -293,10 +289,9 @@ class Loader:
         Hold gave, on a ready READ link to the incarnation that held them, as one request per
         producer. Returns the tickets that need the general path (``_start``): no place, a link
         not ready or in another mode, another incarnation, no pool space now, or a link with
-        a disconnect that must be taken in first. A large step goes out in several requests
-        (``POST_EVERY_BYTES``), the first as soon as it is full."""
+        a disconnect that must be taken in first."""
         rest: list[LoadTicket] = []
-        groups: dict[str, list] = {}  # producer -> [link or None, batch, batch bytes, woken]
+        groups: dict[str, tuple[Optional[Link], list]] = {}
         wall = time.time()
         pool = self.pool
         for t in tickets:
@@ -310,7 +305,7 @@ class Loader:
                 if link is not None and (link.state is not LinkState.READY or link.mode != "read"
                                          or self.links.unread(link)):
                     link = None
-                group = groups[ref.producer] = [link, [], 0, False]
+                group = groups[ref.producer] = (link, [])
             link = group[0]
             if link is None or (ref.incarnation and ref.incarnation != link.incarnation):
                 rest.append(t)
@@ -322,21 +317,11 @@ class Loader:
                 continue
             t.mode = "read"
             group[1].append((t, ref.block))
-            group[2] += ref.desc.nbytes
-            if group[2] >= POST_EVERY_BYTES:
-                self._post_group(group)
-        for group in groups.values():
-            if group[1]:
-                self._post_group(group)
+        for link, batch in groups.values():
+            if batch:
+                self.links.wake(link)
+                self._post(link, batch)
         return rest
-
-    def _post_group(self, group: list) -> None:
-        link, batch = group[0], group[1]
-        if not group[3]:
-            self.links.wake(link)
-            group[3] = True
-        group[1], group[2] = [], 0
-        self._post(link, batch)
 
     def _post(self, link: Link, batch: list[tuple[LoadTicket, int]]) -> None:
         """Post ``(ticket, producer block)`` pairs as ONE READ request. (Their tensor views are

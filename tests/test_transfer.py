@@ -234,38 +234,6 @@ def test_hold_reports_place_and_enables_direct_read(make_producer, make_consumer
     check(out, specs, device)
 
 
-def test_a_large_held_step_goes_out_in_several_requests(make_producer, make_consumer, device, monkeypatch):
-    """The direct path posts a big step from one producer as requests of ~POST_EVERY_BYTES, the
-    first before the later items are even allocated; every item still lands whole, each request
-    is settled (its ReadDone frees the producer's items) and no slot is left behind."""
-    import ec_nixl.loader as loader_mod
-
-    monkeypatch.setattr(loader_mod, "POST_EVERY_BYTES", 200 << 10)
-    prod = make_producer()
-    cons = make_consumer(mode="read")
-    specs = [(f"big-{i}", (200, 256), "bfloat16", 40 + i) for i in range(7)]  # 100 KiB each
-    descs = prod.call("publish", specs)
-    states = cons.hold(prod.address, [d.mm_hash for d in descs], timeout=5)
-    now = time.time()
-    refs = [ItemRef(desc=d, producer=prod.address, block=states[d.mm_hash].block,
-                    valid_until=now + states[d.mm_hash].lease_s - 1) for d in descs]
-    before = cons.stats()["counters"]["transfers"]
-    tickets = cons.load(refs)
-    assert len({id(t.xfer) for t in tickets}) == 4 and all(t.phase == "read" for t in tickets), \
-        [(t.phase, t.xfer) for t in tickets]
-    out = LoadBarrier(cons).wait(tickets, timeout=10)
-    check(out, specs, device)
-    cons.progress()  # settle: telemetry and ReadDone per request
-    assert cons.stats()["counters"]["transfers"] - before == 4, "7 items of 100 KiB in requests of >= 200 KiB"
-    for t in tickets:
-        t.release()
-    assert cons.pool.stats().used == 0
-    deadline = time.monotonic() + 5
-    while prod.call("published") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert prod.call("published") == [], "every request's ReadDone freed its items"
-
-
 def test_two_readers_each_get_a_copy(make_producer, make_consumer, device):
     """Consumer TP=2: each rank reads; the producer frees only after both readers."""
     prod = make_producer()
