@@ -120,6 +120,8 @@ class Loader:
         if self.loop.is_owner:
             # The caller drives the endpoint: post now, not at the end of a round.
             rest = self._post_held(good)
+            if self._settle and len(rest) < len(good):
+                self.settle()  # earlier requests' read-done and telemetry, while this DMA runs
             if rest:
                 if not self.loop.threaded:
                     # Unthreaded: take in what happened since we last ran (a producer that went
@@ -372,6 +374,8 @@ class Loader:
                         break
                     if views:  # the DMA is running: build a view meanwhile, not after it landed
                         views.pop().prepare_view()
+                    elif self._settle:  # and settle earlier requests (read-done, telemetry)
+                        self.settle()
                     elif time.monotonic() >= next_round:
                         break
             else:

@@ -234,6 +234,30 @@ def test_hold_reports_place_and_enables_direct_read(make_producer, make_consumer
     check(out, specs, device)
 
 
+def test_unsettled_reads_are_settled_by_the_next_load(make_producer, make_consumer, device):
+    """A caller-driven consumer whose barrier leaves settling to it (settle=False) but which never
+    calls progress(): the next load sends the earlier items' read-done while its own READ runs, so
+    the producer frees them instead of keeping them until their lease ends."""
+    prod = make_producer()
+    cons = make_consumer(mode="read")
+    specs = [(f"once-{i}", (64, 128), "float16", 60 + i) for i in range(3)]
+    descs = prod.call("publish", specs)
+    states = cons.hold(prod.address, [d.mm_hash for d in descs], timeout=5)
+    now = time.time()
+    refs = [ItemRef(desc=d, producer=prod.address, block=states[d.mm_hash].block,
+                    valid_until=now + states[d.mm_hash].lease_s - 1) for d in descs]
+    barrier = LoadBarrier(cons, settle=False)
+    for i, ref in enumerate(refs):
+        tickets = cons.load([ref])
+        check(barrier.wait(tickets, timeout=10), specs[i:i + 1], device)
+        for t in tickets:
+            t.release()
+    deadline = time.monotonic() + 5
+    while set(prod.call("published")) != {"once-2"} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert set(prod.call("published")) == {"once-2"}, "the first two were read, the last not yet settled"
+
+
 def test_two_readers_each_get_a_copy(make_producer, make_consumer, device):
     """Consumer TP=2: each rank reads; the producer frees only after both readers."""
     prod = make_producer()

@@ -37,6 +37,7 @@ class HostBounce(OursRead):
             c.dst[do : do + n].copy_(as_u8(out[r.mm_hash]), non_blocking=True)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        c.eps["host"].progress()  # the end of the step: settle (read-done frees the producer's copy), untimed
         for t in tickets:
             t.release()
         for r, do, p in zip(refs, dsts, probes):
