@@ -83,7 +83,8 @@ def test_goal_lines_are_ratios_of_the_rows(capsys):
     q, m64 = parse_size("9.8M").nbytes, 64 << 20
     rows = [_row("ours-read", q, 118.0), _row("raw-nixl-read", q, 22.0), _row("ours-write", q, 190.0),
             _row("raw-nixl-write", q, 20.0), _row("reference-copy", q, 23.0),
-            _row("ours-read", m64, 100.0), _row("raw-nixl-read", m64, 95.0)]
+            _row("ours-read", m64, 100.0), _row("raw-nixl-read", m64, 95.0), _row("publish-landed", q, 46.0),
+            _row("barrier-landed", q, 2.0), _row("barrier-landed", 32 * q, 11.0, items=32)]
     state = {"rows": rows, "skipped": {}, "cpu": {"idle": {"wall_s": 10.0,
                                                              "cores": {"producer": 0.9, "consumer": 0.01}}}}
     lines = goals.print_goals(state, {"device": "cuda"})
@@ -91,6 +92,8 @@ def test_goal_lines_are_ratios_of_the_rows(capsys):
     assert "9.8 MB post->barrier vs reference-copy: 5.13x (ours-read 118.0 us vs 23.0 us)" in text
     assert "9.8 MB ours vs raw-nixl (connector's own cost): read 5.36x (118.0 us vs 22.0 us), write 9.50x" in text
     assert "64MiB ours vs raw-nixl (connector's own cost): read 1.05x" in text and "1.1x (best direction): met" in text
+    assert "9.8 MB publish->landed vs reference-copy: 2.00x (46.0 us vs 23.0 us)" in text  # not vs a barrier row
+    assert "barrier pass, 32 landed item(s): 11.0 us (p99 22.0 us) — goal p99 <= 50 us: met" in text
     assert "idle CPU per process: producer 90.0%, consumer 1.0% of one core" in text and "MISSED (worst 45x" in text
     out = capsys.readouterr().out
     assert all(line in out for line in lines)
