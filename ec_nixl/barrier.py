@@ -39,7 +39,8 @@ class LoadBarrier:
         """``settle=False``: a caller that drives its own endpoint (vLLM's PD worker) leaves the
         after-completion work (read-done messages to producers, telemetry) to its next
         ``Endpoint.progress()``, e.g. at the end of the step, instead of paying it before the
-        hand-over. A threaded endpoint's I/O thread settles on its own either way."""
+        hand-over (the next load and the next wait also settle what is left, while their own
+        DMAs run). A threaded endpoint's I/O thread settles on its own either way."""
         self.endpoint = endpoint
         self.settle = settle
 
