@@ -119,9 +119,7 @@ class LoadTicket:
         """The landed item as a view into the pool (valid until ``release``); built once."""
         if self.state is not TicketState.LANDED or self.slot is None:
             raise RuntimeError(f"item {self.mm_hash} is {self.state}, not landed")
-        if self._view is None:
-            d = self.ref.desc
-            self._view = self.slot.view(d.shape, torch_dtype(d.dtype))
+        self.prepare_view()
         return self._view
 
     def release(self, fence: Optional[Fence] = None) -> None:

@@ -317,13 +317,7 @@ class Transport:
 
     def poll(self, x: Xfer) -> str:
         """Current state: DONE, PROC or ERR (sticky once final)."""
-        self._check_owner()
-        if x.state == "PROC" and not x.released:
-            try:
-                x.state = self._agent.check_xfer_state(x.handle)
-            except Exception as e:
-                logger.warning("check_xfer_state(%s) raised %s", x.peer, e)
-                x.state = "ERR"
+        self.finished([x])
         return x.state
 
     def finished(self, xfers: list[Xfer]) -> list[Xfer]:

@@ -72,10 +72,15 @@ class OursRead(Path):
         tickets = ep.load(refs)
         out = barrier.wait(tickets, timeout=60)
         dt = time.perf_counter() - t0
-        ep.progress()  # the end of the step: settle (read-done to the producer), untimed
+        self.end_step(ep, tickets, refs, probes, out)
+        return dt + stage
+
+    def end_step(self, ep, tickets, refs, probes, out) -> None:
+        """Untimed: settle (read-done to the producer), keep the slots until the next chunk, and
+        the bytes for the check after the chunk."""
+        ep.progress()
         self.ring.append(tickets)
         self.landed.append((refs, probes, out))
-        return dt + stage
 
 
 class OursWrite(OursRead):
@@ -110,9 +115,7 @@ class PublishLanded(OursRead):
         tickets = ep.load(refs)
         out = barrier.wait(tickets, timeout=60)
         t_landed = time.perf_counter()
-        ep.progress()
-        self.ring.append(tickets)
-        self.landed.append((refs, probes, out))
+        self.end_step(ep, tickets, refs, probes, out)
         return t_landed - t_publish
 
 
