@@ -1,12 +1,21 @@
-"""The launcher's pure parts: how instances are placed on cores (no process is started)."""
+"""The launcher: how instances are placed on cores (pure), and how the supervisor starts a process
+(real processes: it runs the command itself in its own group, and the command dies with the
+launcher)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 from unittest import mock
 
 import pytest
 
-from ec_nixl.disagg.launcher import LaunchConfig, cpu_binds, plan
+from ec_nixl.disagg.launcher import Instance, LaunchConfig, Supervisor, cpu_binds, plan
 
 
 def binds(ncores: int, roles: list[str]) -> list[str]:
@@ -39,3 +48,75 @@ def test_plan_uses_the_binds(tmp_path) -> None:
         insts = plan(cfg)
     assert [(i.role, i.env["VLLM_CPU_OMP_THREADS_BIND"]) for i in insts] == [
         ("encoder", "0"), ("encoder", "0"), ("pd", "1")]
+
+
+def _cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return [a.decode() for a in f.read().split(b"\0") if a]
+
+
+def _wait_for(cond, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/status") as f:  # a zombie waiting for its reaper is gone too
+        return any(ln.startswith("State:") and "Z" in ln for ln in f)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_spawned_command_runs_as_the_instance_process_in_its_own_group(tmp_path: Path) -> None:
+    inst = Instance(name="sleeper", role="pd", port=0, argv=["sleep", "30"], env=dict(os.environ),
+                    log_path=tmp_path / "sleeper.log")
+    with Supervisor() as sup:
+        sup.spawn(inst)
+        pid = inst.proc.pid
+        # The die-with-parent step execs the command in the same process: the pid the supervisor
+        # signals and waits for is the command's, and it leads its own process group.
+        assert _wait_for(lambda: _cmdline(pid) == ["sleep", "30"], 10), _cmdline(pid)
+        assert os.getpgid(pid) == pid
+        assert inst.log_path.read_text().startswith("$ sleep 30")
+    assert inst.proc.poll() is not None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_spawned_command_dies_with_the_launcher(tmp_path: Path) -> None:
+    """SIGKILL the launcher (no cleanup runs): its instance gets SIGTERM from the kernel."""
+    launcher = textwrap.dedent(f"""
+        import os, sys, threading, time
+        from pathlib import Path
+        from ec_nixl.disagg.launcher import Instance, Supervisor
+        # threads busy in the launcher while it spawns, as in the e2e tests (the old preexec_fn
+        # ran Python between fork and exec, unsafe with threads)
+        for _ in range(2):
+            threading.Thread(target=lambda: [bytes(4096) for _ in iter(int, 1)], daemon=True).start()
+        inst = Instance(name="sleeper", role="pd", port=0, argv=["sleep", "60"], env=dict(os.environ),
+                        log_path=Path({str(tmp_path / "sleeper.log")!r}))
+        Supervisor().spawn(inst)
+        print(inst.proc.pid, flush=True)
+        time.sleep(120)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        child = int(proc.stdout.readline())
+        assert _wait_for(lambda: _cmdline(child) == ["sleep", "60"], 20), _cmdline(child)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert _wait_for(lambda: _gone(child), 10), f"the instance ({child}) outlived its launcher"
+    finally:
+        proc.kill()
+        proc.wait()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (ProcessLookupError, NameError):
+            pass

@@ -21,7 +21,6 @@ consumer looks items up by, depends on it.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shlex
@@ -207,13 +206,34 @@ class StartupError(RuntimeError):
     """An instance died or did not become healthy; the message carries its log tail."""
 
 
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-_PR_SET_PDEATHSIG = 1
+_DIE_WITH_PARENT = Path(__file__).with_name("die_with_parent.py")
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _dying_with_this_process(argv: list[str]) -> list[str]:
+    """``argv`` run so that it gets SIGTERM when this process dies (Linux; elsewhere as is).
+    Not a ``preexec_fn``: that runs Python between fork and exec, unsafe with threads (see
+    die_with_parent.py)."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-I", str(_DIE_WITH_PARENT), str(os.getpid()), "--", *argv]
+
+
+def _where_is(proc: Optional[subprocess.Popen]) -> str:
+    """What a process that does not answer is doing, from /proc: which program it runs now (has it
+    even exec'ed?), its state and the kernel function it sleeps in."""
+    if proc is None:
+        return "not started"
+    base = f"/proc/{proc.pid}"
+    try:
+        with open(f"{base}/cmdline", "rb") as f:
+            cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a][:4]
+        with open(f"{base}/status") as f:
+            state = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("State:")), "?")
+        with open(f"{base}/wchan") as f:
+            wchan = f.read().strip() or "-"
+    except OSError as e:
+        return f"pid {proc.pid}: /proc unreadable ({e.strerror})"
+    return f"pid {proc.pid} {state}, in {wchan}, running {shlex.join(cmd)}"
 
 
 def _group_alive(pgid: int) -> bool:
@@ -246,9 +266,9 @@ class Supervisor:
         with open(inst.log_path, "ab") as log:
             log.write(f"$ {shlex.join(inst.argv)}\n".encode())
             log.flush()
-            inst.proc = subprocess.Popen(inst.argv, env=inst.env, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+            inst.proc = subprocess.Popen(_dying_with_this_process(inst.argv), env=inst.env,
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
         self.running.append(inst)
         return inst
 
@@ -273,8 +293,8 @@ class Supervisor:
             pending = [i for i in pending if not _http_ok(i.url + "/health")]
             if pending and time.monotonic() > deadline:
                 i = pending[0]
-                raise StartupError(f"{i.name} ({i.url}) not healthy after {timeout_s:.0f}s; "
-                                   f"last lines of {i.log_path}:\n{i.log_tail()}")
+                raise StartupError(f"{i.name} ({i.url}) not healthy after {timeout_s:.0f}s "
+                                   f"({_where_is(i.proc)}); last lines of {i.log_path}:\n{i.log_tail()}")
             if pending:
                 time.sleep(0.5)
 
