@@ -181,6 +181,10 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                 producer, hashes, timeout = args
                 states = ep.hold(producer, hashes, timeout=timeout)
                 conn.send(("ok", {h: (s.status, s.detail) for h, s in states.items()}))
+            elif cmd == "query_stats":
+                # Consumer: a producer's stats; the first call also shakes hands with it.
+                producer, timeout = args
+                conn.send(("ok", ep.query_stats(producer, timeout=timeout)))
             elif cmd == "get_only":
                 # Consumer: take READ grants (pins) and never read: a reader that dies after Get.
                 producer, hashes, timeout = args

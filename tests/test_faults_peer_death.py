@@ -204,6 +204,7 @@ def test_consumer_sigkill_holding_grants(make_peer, make_consumer, device):
     grant, lease = 1.0, 2.0
     prod = make_peer(grant_lease_s=grant, announce_lease_s=lease)
     cons = make_peer(ConsumerProcess, name="restarting-consumer", mode="read")
+    cons.call("query_stats", (prod.address, 30))  # handshake first: the 2 s lease runs from publish
     specs = [("pinned", (300, 300), "float32", 1), ("held", (100, 100), "float32", 2)]
     prod.call("publish", specs)
     assert cons.call("get_only", (prod.address, ["pinned"], 10))["pinned"][0] == "ready"

@@ -89,6 +89,7 @@ def test_lost_read_notification_pin_expires_item_freed(make_peer, make_consumer,
     prod = make_peer(grant_lease_s=grant, announce_lease_s=lease)
     cons = make_consumer(mode="read", pool_bytes=SMALL)
     drop_read_done(cons)  # the fault: every read-done message lost
+    cons.query_stats(prod.address, timeout=30)  # handshake first: the 2 s lease runs from publish
     specs = [("quiet", (256, 64), "bfloat16", 1), ("quiet2", (7, 3), "float32", 2)]
     fetch(cons, refs_for(prod, prod.call("publish", specs)), specs, device)
     t0 = time.monotonic()
