@@ -132,7 +132,8 @@ class Endpoint:
         return self._table().publish_slot(mm_hash, slot, shape, dtype, ready)
 
     def unpublish(self, mm_hash: str) -> bool:
-        """Drop an item now unless a transfer is using it (then it goes when that ends)."""
+        """Withdraw an item (no new Hold or Get finds it); its memory goes once no transfer uses it
+        and no Hold answer still promises a holder its place. False if it was not published."""
         return self._table().unpublish(mm_hash)
 
     def published(self) -> list[str]:

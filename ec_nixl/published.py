@@ -4,7 +4,8 @@
 written in place through ``reserve``). Each ``Item`` then records who declared interest (consumer
 groups and how many readers each), who holds a READ grant (pins), which pushes use it, and its
 lease. An item is freed when every reader of every interested group is done, when its lease
-ends, or when it is unpublished — and never while a grant or push still uses its slot.
+ends, or when it is unpublished — and never while a grant or push still uses its slot, nor while
+a Hold's answer still promises a holder its place (a holder READs there without asking again).
 
 The table is shared: caller threads publish, the owner thread serves. One lock guards it; no
 NIXL or socket call is made under it.
@@ -53,7 +54,7 @@ class Item:
     """One published item and everything that keeps it alive."""
 
     __slots__ = ("desc", "slot", "ready", "expires_at", "interest", "done", "pins", "pushes", "held",
-                 "t_pub")
+                 "t_pub", "promised", "withdrawn")
 
     def __init__(self, desc: P.ItemDesc, slot: Slot, ready: Optional[Fence], lease_s: float):
         self.desc = desc
@@ -66,6 +67,11 @@ class Item:
         self.pins: dict[tuple[str, int], float] = {}  # (session, reader) -> pin expiry
         self.pushes: dict[tuple[str, int], Push] = {}
         self.held = False
+        self.promised = 0.0
+        """Until when (monotonic) some consumer was told the item stays where it is (the lease in a
+        ready answer): it may READ the place without asking again until then."""
+        self.withdrawn = False
+        """Unpublished: no new Hold, Get or push finds it; it waits only for its promises."""
 
     def is_ready(self) -> bool:
         if self.ready is None:
@@ -84,10 +90,6 @@ class Item:
     def busy(self) -> bool:
         return bool(self.pins or self.pushes)
 
-    @property
-    def withdrawn(self) -> bool:
-        return self.expires_at <= 0.0
-
 
 class Published:
     """The items table. Public calls (any thread): ``publish``/``publish_many``, ``reserve``/
@@ -104,7 +106,7 @@ class Published:
 
     def hashes(self) -> list[str]:
         with self._lock:
-            return list(self._items)
+            return [h for h, item in self._items.items() if not item.withdrawn]
 
     # --- publishing (any thread) -----------------------------------------------------
 
@@ -132,6 +134,7 @@ class Published:
                     item = self._items.get(mm_hash)
                     if item is not None:
                         item.expires_at = max(item.expires_at, time.monotonic() + self.cfg.announce_lease_s)
+                        item.withdrawn = False  # published again (same hash, same bytes)
                         desc = item.desc
                 if item is None:
                     if tensor.device != pool.arena.device:
@@ -184,18 +187,30 @@ class Published:
         return desc
 
     def unpublish(self, mm_hash: str) -> bool:
-        """Drop an item now unless a transfer is using it (then it goes when that ends)."""
+        """Withdraw an item: from now on no Hold, Get or push finds it. Its memory goes at once,
+        unless a transfer is using it or a Hold answer still promises a holder its place; then
+        when that transfer ends and every such holder has read it or its promise ran out."""
+        now = time.monotonic()
         with self._lock:
             item = self._items.get(mm_hash)
-            if item is None:
+            if item is None or item.withdrawn:
                 return False
-            item.expires_at = 0.0
-            item.interest.clear()
-            if item.busy():
+            item.withdrawn = True
+            item.expires_at = min(item.expires_at, item.promised)
+            if not self._gone(item, now):
                 return True
             del self._items[mm_hash]
         self.pool.release(item.slot)
         return True
+
+    def _gone(self, item: Item, now: float) -> bool:
+        """Nothing keeps ``item``'s memory any more (lock held): no transfer uses it, and it is
+        withdrawn with no promise left unread (or consumed, when ``free_when_consumed``)."""
+        if item.busy():
+            return False
+        if item.withdrawn:
+            return now >= item.promised or item.satisfied()
+        return self.cfg.free_when_consumed and item.satisfied()
 
     def _add(self, desc: P.ItemDesc, slot: Slot, ready: Optional[Fence]) -> None:
         with self._lock:
@@ -252,6 +267,7 @@ class Published:
                 if pin:
                     item.pins[(sid, reader)] = now + self.cfg.grant_lease_s
                 d = item.desc
+                item.promised = max(item.promised, item.expires_at)
                 out.append(P.ItemState(mm_hash=h, status="ready", block=item.slot.block, nbytes=d.nbytes,
                                        shape=d.shape, dtype=d.dtype, lease_s=item.expires_at - now))
         return out
@@ -341,10 +357,7 @@ class Published:
 
     def maybe_free(self, item: Item) -> None:
         with self._lock:
-            if item.busy():
-                return
-            gone = item.withdrawn or (self.cfg.free_when_consumed and item.satisfied())
-            if not gone or self._items.get(item.desc.mm_hash) is not item:
+            if not self._gone(item, time.monotonic()) or self._items.get(item.desc.mm_hash) is not item:
                 return
             del self._items[item.desc.mm_hash]
         self.pool.release(item.slot)
@@ -377,4 +390,5 @@ class Published:
             return {h: {"pins": {f"{k[0]}/{k[1]}": round(v - now, 3) for k, v in it.pins.items()},
                         "pushes": len(it.pushes), "interest": dict(it.interest),
                         "done": {g: sorted(r) for g, r in it.done.items()},
-                        "lease_left": round(it.expires_at - now, 3)} for h, it in self._items.items()}
+                        "lease_left": round(it.expires_at - now, 3), "withdrawn": it.withdrawn}
+                    for h, it in self._items.items()}

@@ -234,6 +234,33 @@ def test_hold_reports_place_and_enables_direct_read(make_producer, make_consumer
     check(out, specs, device)
 
 
+def test_unpublished_held_item_keeps_its_bytes_for_the_holder(make_producer, make_consumer, device):
+    """A Hold promises its holder the item's place until the lease it states ends: the holder
+    READs it there without asking again. So ``unpublish`` withdraws the item (no new Hold or
+    Get finds it) but must not give its memory to another item while that promise stands, or
+    the holder's READ would land someone else's bytes."""
+    prod = make_producer(pool_bytes=16 << 20)
+    cons = make_consumer(mode="read")
+    spec = ("promised", (256, 512), "float32", 21)  # 512 KiB
+    (desc,) = prod.call("publish", [spec])
+    st = cons.hold(prod.address, ["promised"], timeout=10)["promised"]
+    assert st.status == "ready"
+    ref = ItemRef(desc=desc, producer=prod.address, block=st.block, valid_until=time.time() + st.lease_s - 1)
+    assert prod.call("unpublish_all") == [True]
+    assert cons.hold(prod.address, ["promised"], timeout=10)["promised"].status == "MISSING", "still offered"
+    # Items the same size as the withdrawn one: first fit would put one in its place if it were free.
+    others = [(f"newcomer-{i}", (256, 512), "float32", 30 + i) for i in range(4)]
+    prod.call("publish", others)
+    fetch(cons, [ref], [spec], device)  # the promised bytes, not a newcomer's
+    # The holder has read it: the withdrawn item's memory goes now, not at the end of its lease.
+    newcomers = 4 * desc.nbytes
+    deadline = time.monotonic() + 10
+    while prod.call("stats")["pool"]["used"] > newcomers and time.monotonic() < deadline:
+        cons.progress(0.01)
+    assert prod.call("stats")["pool"]["used"] == newcomers
+    assert sorted(prod.call("published")) == [h for h, *_ in others]
+
+
 def test_unsettled_reads_are_settled_by_the_next_load(make_producer, make_consumer, device):
     """A caller-driven consumer whose barrier leaves settling to it (settle=False) but which never
     calls progress(): the next load sends the earlier items' read-done while its own READ runs, so

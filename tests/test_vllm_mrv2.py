@@ -172,8 +172,9 @@ def test_worker_barrier_keeps_unlanded_bytes_from_the_gather(producer, engine):
 # ------------------------------------------------------------------------------ failures
 
 
+@pytest.mark.parametrize("mode", ["read", "write"])  # both: left to the link probe, CPU picks either
 @pytest.mark.parametrize("fault", ["unpublished", "producer killed"])
-def test_failed_load_fails_the_request_and_the_engine_goes_on(producer, engine, fault):
+def test_failed_load_fails_the_request_and_the_engine_goes_on(producer, engine, fault, mode):
     """FAULT INJECTION between admission and load: the producer drops the item (MISSING) or dies.
     The gather gets a zero placeholder (no ``Encoder cache miss``, no crash), the request ends
     with an error, the pool slot comes back, and the next request is served normally.
@@ -183,16 +184,21 @@ def test_failed_load_fails_the_request_and_the_engine_goes_on(producer, engine, 
     by then (a request that finishes in that very step ends normally: docs/usage.md). The
     connector keeps the request from being scheduled in between: no second token."""
     producer.call("publish", [("doomed", (ROWS, WIDTH), BF16, 51)])
-    pd = engine(load_timeout_s="2", peer_timeout_s="2")
+    pd = engine(load_timeout_s="2", peer_timeout_s="2", mode=mode)
     pd.add(make_request("f1", [("doomed", 0, 6)], params=params_for(producer.address, [("doomed", 0)]),
                         media=False, max_tokens=4))
 
     def break_producer(so):
-        if so.ec_connector_metadata.loads:
+        meta = so.ec_connector_metadata
+        if meta.loads:
             if fault == "unpublished":
                 producer.call("unpublish_all")
-                for s in so.ec_connector_metadata.loads:
-                    s.valid_until = 0.0  # the held grant is gone with the item: ask again
+                # The hold's promise is what lets a worker READ without asking: drop it from the
+                # loads and from the prefetch of the same step (an idle engine sends both), so the
+                # worker asks and gets MISSING. (With a promise kept, the producer keeps the bytes
+                # and the load lands: test_unpublished_held_item_keeps_its_bytes_for_the_holder.)
+                for s in meta.loads + meta.prefetch:
+                    s.valid_until = 0.0
             else:
                 producer.kill()
 
