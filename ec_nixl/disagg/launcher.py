@@ -219,21 +219,28 @@ def _dying_with_this_process(argv: list[str]) -> list[str]:
 
 
 def _where_is(proc: Optional[subprocess.Popen]) -> str:
-    """What a process that does not answer is doing, from /proc: which program it runs now (has it
-    even exec'ed?), its state and the kernel function it sleeps in."""
+    """What a process that does not answer is doing, from /proc: each process of its group (the
+    API server and the engine core it started), the program it runs, its state and the kernel
+    function it sleeps in."""
     if proc is None:
         return "not started"
-    base = f"/proc/{proc.pid}"
-    try:
-        with open(f"{base}/cmdline", "rb") as f:
-            cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a][:4]
-        with open(f"{base}/status") as f:
-            state = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("State:")), "?")
-        with open(f"{base}/wchan") as f:
-            wchan = f.read().strip() or "-"
-    except OSError as e:
-        return f"pid {proc.pid}: /proc unreadable ({e.strerror})"
-    return f"pid {proc.pid} {state}, in {wchan}, running {shlex.join(cmd)}"
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != proc.pid:  # fields: state, ppid, pgrp, ...
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a][:5]
+            with open(f"/proc/{entry}/wchan") as f:
+                wchan = f.read().strip() or "-"
+        except (OSError, IndexError, ValueError):
+            continue
+        found.append(f"pid {entry} {fields[0]} in {wchan}: {shlex.join(cmd)}")
+    return "; ".join(found) if found else f"no process left in group {proc.pid}"
 
 
 def _group_alive(pgid: int) -> bool:

@@ -52,16 +52,17 @@ from conftest import (  # noqa: E402  (tests/e2e/conftest.py)
     free_port_block,
     wait_until,
 )
-from ec_nixl.disagg.launcher import Cluster, Instance, LaunchConfig  # noqa: E402
+from ec_nixl.disagg.launcher import Cluster, Instance, LaunchConfig, StartupError  # noqa: E402
 from ec_nixl.disagg.proxy import encoder_body  # noqa: E402
 from ec_nixl.disagg.ttft import chat_body  # noqa: E402
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # one stuck start costs STUCK_START_S more
 
 PERIOD_S = 0.3  # one request started every PERIOD_S (or as soon as the previous one answered)
 RESTARTS = 2
 REMOTE_AFTER = 5  # remote-served requests needed after each restart before going on
 LINK_TIMEOUT_S = 15.0
+STUCK_START_S = 300.0  # see Restarts.start_healthy
 TIMERS = {
     # Two cores for three vLLM instances plus restarts: no spinning NIXL progress thread, and
     # timeouts sized for threads waiting behind OpenMP spinners (see test_e2e_nixl.py).
@@ -81,6 +82,7 @@ class Restarts:
     pd: Instance
     model: str
     status_ep: Any  # observer Endpoint: the encoder's stats
+    stuck_starts: int = 0
 
     @property
     def ec_addr(self) -> str:
@@ -109,7 +111,25 @@ class Restarts:
     def start(self, inst: Instance) -> None:
         self.cluster.spawn(inst)
 
-    def wait_healthy(self, inst: Instance) -> None:
+    def start_healthy(self, inst: Instance) -> None:
+        """Start ``inst`` again and wait for its /health. A start stuck for ``STUCK_START_S`` (while
+        every other process lives) is reported, killed and started once more, as an operator would.
+        Why: on the 2-core CI box a freshly started vLLM process sometimes never got past its
+        imports after a SIGKILL restart (2 of 4 CI runs: once the API server, once the engine core
+        it spawned, sleeping in poll with no line written); here restarts take 40-90 s. Cause not
+        found (the report below says what each process of the group was doing)."""
+        self.start(inst)
+        try:
+            self.cluster.wait_healthy([inst], STUCK_START_S)
+            return
+        except StartupError as e:
+            if self.cluster.dead() is not None:
+                raise  # a process exited: a failure, not a stuck start
+            print(f"[stuck-start] {inst.name} not up after {STUCK_START_S:.0f} s, started again: "
+                  f"{str(e).splitlines()[0]}")
+            self.stuck_starts += 1
+        self.kill(inst)
+        self.start(inst)
         self.cluster.wait_healthy([inst], STARTUP_TIMEOUT_S)
 
 
@@ -251,20 +271,29 @@ def window(answers: list[Answer], t_kill: float, t_up: float) -> dict[str, Any]:
     }
 
 
+def nudge(rig: Restarts) -> None:
+    """One text request: the idle PD engine steps once (its worker's end-of-step round runs)."""
+    r = requests.post(rig.pd.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
+                      json={"model": rig.model, "prompt": "nudge", "max_tokens": 2, "temperature": 0.0})
+    assert r.status_code == 200, r.text[:300]
+
+
 def assert_drained(rig: Restarts, what: str) -> None:
-    """The encoder's pool and items back to 0, and the PD's pool gauge (nudged by one text request
-    if the idle engine has not reported its last release yet)."""
+    """The encoder's pool and items back to 0, and the PD's pool gauge; each checked once more
+    after a nudge if the idle engine has not done its last end-of-step work yet (seen once for the
+    encoder, under double load: one item left 20 s after three remote requests; cause not found)."""
     last: dict[str, Any] = {}
 
     def encoder_empty() -> bool:
         last.update(rig.encoder_stats())
         return last["pool"]["used"] == 0 and last["items"] == 0
 
-    assert wait_until(encoder_empty, 20.0), f"{what}: encoder holds {last['items']} items, {last['pool']} {rig.logs()}"
+    if not wait_until(encoder_empty, 20.0):
+        print(f"[drain] {what}: encoder holds {last['items']} items after 20 s: nudging the PD")
+        nudge(rig)
+        assert wait_until(encoder_empty, 10.0), f"{what}: encoder holds {last['items']} items, {last['pool']} {rig.logs()}"
     if not wait_until(lambda: rig.pd_gauge() == 0.0, 3.0):
-        r = requests.post(rig.pd.url + "/v1/completions", timeout=REQUEST_TIMEOUT_S,
-                          json={"model": rig.model, "prompt": "nudge", "max_tokens": 2, "temperature": 0.0})
-        assert r.status_code == 200, r.text[:300]
+        nudge(rig)
         assert wait_until(lambda: rig.pd_gauge() == 0.0, 10.0), f"{what}: PD pool gauge {rig.pd_gauge()} {rig.logs()}"
 
 
@@ -280,8 +309,7 @@ def test_rolling_encoder_restarts_cost_no_request(rig: Restarts, baseline: Basel
         for k in range(RESTARTS):
             t_kill = time.monotonic()
             rig.kill(rig.encoder)
-            rig.start(rig.encoder)
-            rig.wait_healthy(rig.encoder)
+            rig.start_healthy(rig.encoder)
             t_up = time.monotonic()
             resumed = wait_until(lambda: stream.remote_since(t_up) >= REMOTE_AFTER, 120)
             assert resumed, (f"restart {k + 1}: remote serving did not resume: "
@@ -300,6 +328,7 @@ def test_rolling_encoder_restarts_cost_no_request(rig: Restarts, baseline: Basel
     assert not unknown, f"answers that say neither loaded nor local: {unknown[:10]}"
     kinds = {h: sum(1 for a in answers if a.how == h) for h in ("remote", "pd-fallback", "proxy-fallback")}
     print(f"[info] {len(answers)} requests in {answers[-1].t_done - answers[0].t_send:.0f} s: {kinds}")
+    print(f"[info] restarts stuck at start and started again: {rig.stuck_starts}")
     # Token ids against the colocated server, after the stream: every answer served remotely or
     # with the PD's fallback, and every 10th the proxy sent without encoder (those are plain
     # colocated requests to the PD; checking them all would double the test's time).
@@ -367,8 +396,7 @@ def test_consumer_killed_while_the_encoder_holds_items_for_it(rig: Restarts, bas
     client.join(REQUEST_TIMEOUT_S)
 
     t0 = time.monotonic()
-    rig.start(rig.pd)
-    rig.wait_healthy(rig.pd)
+    rig.start_healthy(rig.pd)
     print(f"[timing] consumer restart: healthy after {time.monotonic() - t0:.1f} s")
     assert rig.encoder_stats()["sessions"] <= sessions0
     for i in range(3):
