@@ -225,21 +225,19 @@ def _where_is(proc: Optional[subprocess.Popen]) -> str:
     if proc is None:
         return "not started"
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in sorted(int(e) for e in os.listdir("/proc") if e.isdigit()):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) != proc.pid:  # fields: state, ppid, pgrp, ...
+            if os.getpgid(pid) != proc.pid:
                 continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a][:5]
-            with open(f"/proc/{entry}/wchan") as f:
+            with open(f"/proc/{pid}/status") as f:
+                state = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("State:")), "?")
+            with open(f"/proc/{pid}/wchan") as f:
                 wchan = f.read().strip() or "-"
-        except (OSError, IndexError, ValueError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a][:5]
+        except OSError:  # gone meanwhile, or not ours to read
             continue
-        found.append(f"pid {entry} {fields[0]} in {wchan}: {shlex.join(cmd)}")
+        found.append(f"pid {pid} {state} in {wchan}: {shlex.join(cmd)}")
     return "; ".join(found) if found else f"no process left in group {proc.pid}"
 
 
