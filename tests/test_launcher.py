@@ -120,3 +120,30 @@ def test_spawned_command_dies_with_the_launcher(tmp_path: Path) -> None:
             os.kill(child, signal.SIGKILL)
         except (ProcessLookupError, NameError):
             pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and 2 CPUs")
+def test_spawned_command_gets_the_launchers_cpus_not_the_spawning_threads(tmp_path: Path) -> None:
+    """A thread narrowed to one CPU spawns an instance: the instance may still use every CPU of the
+    launcher process (a child otherwise inherits the forking thread's mask)."""
+    import threading
+
+    want = os.sched_getaffinity(0)
+    inst = Instance(name="pinned", role="encoder", port=0, argv=["sleep", "30"], env=dict(os.environ),
+                    log_path=tmp_path / "pinned.log")
+    sup = Supervisor()
+
+    def spawn_narrowed() -> None:
+        os.sched_setaffinity(0, {min(want)})  # this thread only
+        sup.spawn(inst)
+
+    t = threading.Thread(target=spawn_narrowed)
+    t.start()
+    t.join()
+    try:
+        pid = inst.proc.pid
+        assert _wait_for(lambda: _cmdline(pid) == ["sleep", "30"], 10), _cmdline(pid)
+        assert os.sched_getaffinity(pid) == want
+    finally:
+        sup.stop(1)

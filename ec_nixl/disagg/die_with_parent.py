@@ -33,6 +33,13 @@ def main(argv: list[str]) -> int:
     if os.getppid() != launcher:  # the launcher died before the setting was made: no signal will come
         print(f"die_with_parent: launcher {launcher} is gone, not starting {argv[2]}", file=sys.stderr)
         return 1
+    # Start on the CPUs of the launcher process, not of the thread that forked us (a child
+    # inherits that thread's mask): a restarted encoder was once found pinned to the consumer's
+    # core, runnable but starved by its spinning worker, writing nothing for minutes.
+    try:
+        os.sched_setaffinity(0, os.sched_getaffinity(launcher))
+    except OSError:
+        pass
     os.execvp(argv[2], argv[2:])
     return 127  # not reached: execvp raises OSError on failure
 
