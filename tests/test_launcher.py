@@ -9,13 +9,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from unittest import mock
 
 import pytest
 
 from ec_nixl.disagg.launcher import Instance, LaunchConfig, Supervisor, cpu_binds, plan
+from helpers import wait_until
 
 
 def binds(ncores: int, roles: list[str]) -> list[str]:
@@ -55,15 +55,6 @@ def _cmdline(pid: int) -> list[str]:
         return [a.decode() for a in f.read().split(b"\0") if a]
 
 
-def _wait_for(cond, timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -82,7 +73,7 @@ def test_spawned_command_runs_as_the_instance_process_in_its_own_group(tmp_path:
         pid = inst.proc.pid
         # The die-with-parent step execs the command in the same process: the pid the supervisor
         # signals and waits for is the command's, and it leads its own process group.
-        assert _wait_for(lambda: _cmdline(pid) == ["sleep", "30"], 10), _cmdline(pid)
+        assert wait_until(lambda: _cmdline(pid) == ["sleep", "30"], 10), _cmdline(pid)
         assert os.getpgid(pid) == pid
         assert inst.log_path.read_text().startswith("$ sleep 30")
     assert inst.proc.poll() is not None
@@ -109,10 +100,10 @@ def test_spawned_command_dies_with_the_launcher(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True, env=env)
     try:
         child = int(proc.stdout.readline())
-        assert _wait_for(lambda: _cmdline(child) == ["sleep", "60"], 20), _cmdline(child)
+        assert wait_until(lambda: _cmdline(child) == ["sleep", "60"], 20), _cmdline(child)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        assert _wait_for(lambda: _gone(child), 10), f"the instance ({child}) outlived its launcher"
+        assert wait_until(lambda: _gone(child), 10), f"the instance ({child}) outlived its launcher"
     finally:
         proc.kill()
         proc.wait()
@@ -133,17 +124,22 @@ def test_spawned_command_gets_the_launchers_cpus_not_the_spawning_threads(tmp_pa
     inst = Instance(name="pinned", role="encoder", port=0, argv=["sleep", "30"], env=dict(os.environ),
                     log_path=tmp_path / "pinned.log")
     sup = Supervisor()
+    spawned, checked = threading.Event(), threading.Event()
 
     def spawn_narrowed() -> None:
         os.sched_setaffinity(0, {min(want)})  # this thread only
         sup.spawn(inst)
+        spawned.set()
+        checked.wait(30)  # the instance's parent-death signal fires when this thread ends
 
     t = threading.Thread(target=spawn_narrowed)
     t.start()
-    t.join()
     try:
+        assert spawned.wait(10)
         pid = inst.proc.pid
-        assert _wait_for(lambda: _cmdline(pid) == ["sleep", "30"], 10), _cmdline(pid)
+        assert wait_until(lambda: _cmdline(pid) == ["sleep", "30"], 10), _cmdline(pid)
         assert os.sched_getaffinity(pid) == want
     finally:
+        checked.set()
+        t.join()
         sup.stop(1)

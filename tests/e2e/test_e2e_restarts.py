@@ -114,10 +114,10 @@ class Restarts:
     def start_healthy(self, inst: Instance) -> None:
         """Start ``inst`` again and wait for its /health. A start stuck for ``STUCK_START_S`` (while
         every other process lives) is reported, killed and started once more, as an operator would.
-        Why: on the 2-core CI box a freshly started vLLM process sometimes never got past its
-        imports after a SIGKILL restart (2 of 4 CI runs: once the API server, once the engine core
-        it spawned, sleeping in poll with no line written); here restarts take 40-90 s. Cause not
-        found (the report below says what each process of the group was doing)."""
+        Why: on the 2-core CI box a freshly started vLLM process sometimes wrote no line for
+        minutes after a SIGKILL restart (2 of 4 CI runs); caught locally, it was runnable but
+        starved, its CPU mask narrowed to the PD worker's core (docs/RELIABILITY.md, known gaps;
+        a second start got the same mask there). Restarts take 40-90 s here."""
         self.start(inst)
         try:
             self.cluster.wait_healthy([inst], STUCK_START_S)
