@@ -115,9 +115,10 @@ def test_spawned_command_dies_with_the_launcher(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs Linux and 2 CPUs")
-def test_spawned_command_gets_the_launchers_cpus_not_the_spawning_threads(tmp_path: Path) -> None:
-    """A thread narrowed to one CPU spawns an instance: the instance may still use every CPU of the
-    launcher process (a child otherwise inherits the forking thread's mask)."""
+def test_spawned_command_gets_the_supervisors_cpus_not_the_spawning_threads(tmp_path: Path) -> None:
+    """A thread narrowed to one CPU spawns an instance: the instance may still use every CPU the
+    supervisor was made with (a child otherwise inherits the forking thread's mask), and its log
+    says the spawning thread was narrowed."""
     import threading
 
     want = os.sched_getaffinity(0)
@@ -139,6 +140,7 @@ def test_spawned_command_gets_the_launchers_cpus_not_the_spawning_threads(tmp_pa
         pid = inst.proc.pid
         assert wait_until(lambda: _cmdline(pid) == ["sleep", "30"], 10), _cmdline(pid)
         assert os.sched_getaffinity(pid) == want
+        assert f"may run on CPUs [{min(want)}] only; starting on {sorted(want)}" in inst.log_path.read_text()
     finally:
         checked.set()
         t.join()

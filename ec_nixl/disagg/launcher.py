@@ -209,13 +209,22 @@ class StartupError(RuntimeError):
 _DIE_WITH_PARENT = Path(__file__).with_name("die_with_parent.py")
 
 
-def _dying_with_this_process(argv: list[str]) -> list[str]:
-    """``argv`` run so that it gets SIGTERM when this process dies (Linux; elsewhere as is).
-    Not a ``preexec_fn``: that runs Python between fork and exec, unsafe with threads (see
-    die_with_parent.py)."""
+def _dying_with_this_process(argv: list[str], cpus: Optional[list[int]]) -> list[str]:
+    """``argv`` run on ``cpus`` so that it gets SIGTERM when this process dies (Linux; elsewhere
+    as is). Not a ``preexec_fn``: that runs Python between fork and exec, unsafe with threads
+    (see die_with_parent.py)."""
     if not sys.platform.startswith("linux"):
         return argv
-    return [sys.executable, "-I", str(_DIE_WITH_PARENT), str(os.getpid()), "--", *argv]
+    where = ["--cpus", ",".join(map(str, cpus))] if cpus else []
+    return [sys.executable, "-I", str(_DIE_WITH_PARENT), str(os.getpid()), *where, "--", *argv]
+
+
+def _cpus() -> Optional[list[int]]:
+    """The CPUs the calling thread may run on (None where the OS does not say)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
 
 
 def _where_is(proc: Optional[subprocess.Popen]) -> str:
@@ -237,8 +246,22 @@ def _where_is(proc: Optional[subprocess.Popen]) -> str:
                 cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a][:5]
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        found.append(f"pid {pid} {state} in {wchan}: {shlex.join(cmd)}")
+        found.append(f"pid {pid} {state} in {wchan}, {_cpu_use(pid)}: {shlex.join(cmd)}")
     return "; ".join(found) if found else f"no process left in group {proc.pid}"
+
+
+def _cpu_use(pid: int) -> str:
+    """Where a process may run and how much CPU it got: a runnable process that got none was
+    starved (the stuck restarts on the CI box were)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            allowed = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("Cpus_allowed_list:")), "?")
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime + stime
+        return f"CPUs {allowed}, {ticks / os.sysconf('SC_CLK_TCK'):.2f} s of CPU"
+    except (OSError, ValueError, IndexError):
+        return "CPU use unknown"
 
 
 def _group_alive(pgid: int) -> bool:
@@ -261,17 +284,24 @@ def _http_ok(url: str, timeout: float = 2.0) -> bool:
 
 class Supervisor:
     """Owns a set of processes: each in its own process group, output to its log file; reports the
-    first one that exits; stops them all. Use as a context manager."""
+    first one that exits; stops them all. Use as a context manager.
 
-    def __init__(self) -> None:
+    Every process starts on the CPUs the supervisor's creator could use (``cpus``), whichever
+    thread spawns it and whatever that thread's mask is by then: a restart on a thread narrowed
+    to a busy core would otherwise inherit it (die_with_parent.py)."""
+
+    def __init__(self, cpus: Optional[list[int]] = None) -> None:
         self.running: list[Instance] = []
+        self.cpus = cpus if cpus is not None else _cpus()
 
     def spawn(self, inst: Instance) -> Instance:
         inst.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(inst.log_path, "ab") as log:
             log.write(f"$ {shlex.join(inst.argv)}\n".encode())
+            if self.cpus and (mine := _cpus()) and mine != self.cpus:
+                log.write(f"# the spawning thread may run on CPUs {mine} only; starting on {self.cpus}\n".encode())
             log.flush()
-            inst.proc = subprocess.Popen(_dying_with_this_process(inst.argv), env=inst.env,
+            inst.proc = subprocess.Popen(_dying_with_this_process(inst.argv, self.cpus), env=inst.env,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         self.running.append(inst)
