@@ -227,7 +227,7 @@ def _cpus() -> Optional[list[int]]:
         return None
 
 
-def _where_is(proc: Optional[subprocess.Popen]) -> str:
+def where_is(proc: Optional[subprocess.Popen]) -> str:
     """What a process that does not answer is doing, from /proc: each process of its group (the
     API server and the engine core it started), the program it runs, its state and the kernel
     function it sleeps in."""
@@ -264,14 +264,28 @@ def _cpu_use(pid: int) -> str:
         return "CPU use unknown"
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs. Zombies do not count: an engine core
+    orphaned by its killed API server is reaped by init, which may take its time."""
     try:
         os.killpg(pgid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    if not os.path.isdir("/proc"):
+        return True
+    for e in os.listdir("/proc"):
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def _http_ok(url: str, timeout: float = 2.0) -> bool:
@@ -329,7 +343,7 @@ class Supervisor:
             if pending and time.monotonic() > deadline:
                 i = pending[0]
                 raise StartupError(f"{i.name} ({i.url}) not healthy after {timeout_s:.0f}s "
-                                   f"({_where_is(i.proc)}); last lines of {i.log_path}:\n{i.log_tail()}")
+                                   f"({where_is(i.proc)}); last lines of {i.log_path}:\n{i.log_tail()}")
             if pending:
                 time.sleep(0.5)
 
@@ -345,7 +359,7 @@ class Supervisor:
         while time.monotonic() < deadline:
             for p in procs:
                 p.poll()  # reap the leader so the group check below can see it gone
-            if not any(_group_alive(p.pid) for p in procs):
+            if not any(group_alive(p.pid) for p in procs):
                 return
             time.sleep(0.2)
         for p in procs:

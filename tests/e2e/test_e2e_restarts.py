@@ -52,7 +52,7 @@ from conftest import (  # noqa: E402  (tests/e2e/conftest.py)
     free_port_block,
     wait_until,
 )
-from ec_nixl.disagg.launcher import Cluster, Instance, LaunchConfig, StartupError  # noqa: E402
+from ec_nixl.disagg.launcher import Cluster, Instance, LaunchConfig, StartupError, group_alive, where_is  # noqa: E402
 from ec_nixl.disagg.proxy import encoder_body  # noqa: E402
 from ec_nixl.disagg.ttft import chat_body  # noqa: E402
 
@@ -105,8 +105,8 @@ class Restarts:
         os.killpg(inst.proc.pid, signal.SIGKILL)
         inst.proc.wait(30)
         self.cluster.running.remove(inst)
-        group_gone = wait_until(lambda: not _group_alive(inst.proc.pid), 30)
-        assert group_gone, f"{inst.name}'s processes outlived SIGKILL"
+        group_gone = wait_until(lambda: not group_alive(inst.proc.pid), 60)
+        assert group_gone, f"{inst.name}'s processes outlived SIGKILL by 60 s: {where_is(inst.proc)}"
 
     def start(self, inst: Instance) -> None:
         self.cluster.spawn(inst)
@@ -144,14 +144,6 @@ def port_block(n: int) -> int:
         if base + n <= ephemeral:
             return base
     raise RuntimeError(f"no {n} free ports below {ephemeral}")
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 @pytest.fixture(scope="module")
