@@ -53,7 +53,8 @@ def main(model: str, port: int) -> None:
     ec_nixl.vllm.register()
     ec = {"ec_connector": "NixlECConnector", "ec_role": "ec_producer", "ec_buffer_device": "cpu",
           "ec_buffer_size": 16 << 20, "ec_port": port, "engine_id": "mrv2-encoder-runner",
-          "ec_connector_extra_config": {"nixl_progress_thread": False}}
+          # The lease outlives a slow consumer start on a loaded box: this test is about bytes.
+          "ec_connector_extra_config": {"nixl_progress_thread": False, "announce_lease_s": 600.0}}
     vc = create_engine_config(EngineArgs(model=model, max_model_len=1024, enforce_eager=True, dtype="bfloat16",
                                          ec_transfer_config=ec))
     with set_current_vllm_config(vc):

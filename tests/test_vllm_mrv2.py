@@ -340,12 +340,21 @@ def test_encode_only_runner_serves_its_real_vision_tower(tiny_model, compat):
             assert info["shape"] == [ROWS, WIDTH] and info["dtype"] == BF16
             items, errors = parse_params(info["params"], {"real-vit": ROWS}, BF16)
             assert not errors and set(items) == {"real-vit"}
+            t_info = time.monotonic()
             c = ConsumerProcess(device="cpu", pool_bytes=8 << 20, compat=compat, nixl_progress_thread=False)
             try:
                 got = c.call("load", ([(items["real-vit"].desc, items["real-vit"].producer, 0, 1)], 20))
             finally:
                 c.close()
-            assert got == [("real-vit", "landed", "", info["digest"])]
+            if got != [("real-vit", "landed", "", info["digest"])]:
+                proc.stdin.close()  # let the runner exit, then show what it logged
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                err.seek(0)
+                pytest.fail(f"loaded {time.monotonic() - t_info:.1f} s after the runner published: {got}, expected the "
+                            f"runner's bytes ({info['digest']}); the runner's log:\n{err.read()[-4000:]}")
         finally:
             proc.stdin.close()
             try:
