@@ -1,6 +1,6 @@
 """Run a command that gets SIGTERM when the process that started it dies (PR_SET_PDEATHSIG).
 
-    python -I die_with_parent.py LAUNCHER_PID [--cpus 0,1,...] -- COMMAND [ARGS...]
+    python -I die_with_parent.py LAUNCHER_PID -- COMMAND [ARGS...]
 
 The launcher used to set this in ``subprocess.Popen(preexec_fn=...)``, which runs Python in the
 child between fork and exec. Python's docs warn that this can deadlock when the parent has threads
@@ -8,11 +8,6 @@ child between fork and exec. Python's docs warn that this can deadlock when the 
 callers do (the e2e tests' client and observer threads): CI once saw a restarted encoder that
 wrote not one line in 600 s. Here the setting is made after exec, in a plain process, which then
 execs the command itself (same pid, same process group; the setting survives exec).
-
-``--cpus`` sets the CPUs the command starts on (its children inherit them). A child otherwise
-inherits the mask of the thread that forked it, and on the CI box that thread was once found
-narrowed to the consumer's core: a restarted encoder ran there, runnable but starved by the
-consumer's spinning worker, and wrote nothing for minutes.
 
 Standalone on purpose (stdlib only, run by path with ``-I``): nothing to import before the exec.
 """
@@ -26,12 +21,8 @@ PR_SET_PDEATHSIG = 1
 
 
 def main(argv: list[str]) -> int:
-    cpus = None
-    if len(argv) >= 3 and argv[1] == "--cpus":
-        cpus = {int(c) for c in argv[2].split(",")}
-        argv = argv[:1] + argv[3:]
     if len(argv) < 3 or argv[1] != "--":
-        print("usage: die_with_parent.py LAUNCHER_PID [--cpus 0,1,...] -- COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: die_with_parent.py LAUNCHER_PID -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     launcher = int(argv[0])
     libc = ctypes.CDLL(None, use_errno=True)
@@ -42,11 +33,6 @@ def main(argv: list[str]) -> int:
     if os.getppid() != launcher:  # the launcher died before the setting was made: no signal will come
         print(f"die_with_parent: launcher {launcher} is gone, not starting {argv[2]}", file=sys.stderr)
         return 1
-    if cpus is not None:
-        try:
-            os.sched_setaffinity(0, cpus)
-        except OSError as e:  # CPUs gone since the launcher looked (cpuset changed): keep ours
-            print(f"die_with_parent: cannot run on CPUs {sorted(cpus)}: {e}", file=sys.stderr)
     os.execvp(argv[2], argv[2:])
     return 127  # not reached: execvp raises OSError on failure
 

@@ -209,22 +209,23 @@ class StartupError(RuntimeError):
 _DIE_WITH_PARENT = Path(__file__).with_name("die_with_parent.py")
 
 
-def _dying_with_this_process(argv: list[str], cpus: Optional[list[int]]) -> list[str]:
-    """``argv`` run on ``cpus`` so that it gets SIGTERM when this process dies (Linux; elsewhere
-    as is). Not a ``preexec_fn``: that runs Python between fork and exec, unsafe with threads
-    (see die_with_parent.py)."""
+def _dying_with_this_process(argv: list[str]) -> list[str]:
+    """``argv`` run so that it gets SIGTERM when this process dies (Linux; elsewhere as is).
+    Not a ``preexec_fn``: that runs Python between fork and exec, unsafe with threads (see
+    die_with_parent.py)."""
     if not sys.platform.startswith("linux"):
         return argv
-    where = ["--cpus", ",".join(map(str, cpus))] if cpus else []
-    return [sys.executable, "-I", str(_DIE_WITH_PARENT), str(os.getpid()), *where, "--", *argv]
+    return [sys.executable, "-I", str(_DIE_WITH_PARENT), str(os.getpid()), "--", *argv]
 
 
-def _cpus() -> Optional[list[int]]:
-    """The CPUs the calling thread may run on (None where the OS does not say)."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
+# Each instance leads its own process group (one killpg stops it all) but stays in the launcher's
+# session. A new session would also be a new scheduler autogroup (Linux, on by default), and the
+# kernel shares a CPU between autogroups, not between tasks: on the 2-core CI box a restarted
+# encoder's process, which MKL pins to each CPU in turn while torch is imported (its core-count
+# probe), sat pinned to the PD's core beside the PD's spinning worker and got ~0.1 % of it: 0.3 s
+# of CPU in 300 s, not even killable by SIGKILL for a minute. In one autogroup the spinner's
+# sched_yield gives the CPU to it (measured here: 95 % vs 33 % of the shared core).
+_OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
 
 
 def where_is(proc: Optional[subprocess.Popen]) -> str:
@@ -297,27 +298,21 @@ def _http_ok(url: str, timeout: float = 2.0) -> bool:
 
 
 class Supervisor:
-    """Owns a set of processes: each in its own process group, output to its log file; reports the
-    first one that exits; stops them all. Use as a context manager.
+    """Owns a set of processes: each in its own process group (in this session, see
+    ``_OWN_GROUP``), output to its log file; reports the first one that exits; stops them all.
+    Use as a context manager."""
 
-    Every process starts on the CPUs the supervisor's creator could use (``cpus``), whichever
-    thread spawns it and whatever that thread's mask is by then: a restart on a thread narrowed
-    to a busy core would otherwise inherit it (die_with_parent.py)."""
-
-    def __init__(self, cpus: Optional[list[int]] = None) -> None:
+    def __init__(self) -> None:
         self.running: list[Instance] = []
-        self.cpus = cpus if cpus is not None else _cpus()
 
     def spawn(self, inst: Instance) -> Instance:
         inst.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(inst.log_path, "ab") as log:
             log.write(f"$ {shlex.join(inst.argv)}\n".encode())
-            if self.cpus and (mine := _cpus()) and mine != self.cpus:
-                log.write(f"# the spawning thread may run on CPUs {mine} only; starting on {self.cpus}\n".encode())
             log.flush()
-            inst.proc = subprocess.Popen(_dying_with_this_process(inst.argv, self.cpus), env=inst.env,
+            inst.proc = subprocess.Popen(_dying_with_this_process(inst.argv), env=inst.env,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         **_OWN_GROUP)
         self.running.append(inst)
         return inst
 
