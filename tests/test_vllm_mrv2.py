@@ -11,6 +11,7 @@ make them vanish (fault injection, said where used).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import pytest
@@ -302,6 +303,35 @@ def _vllm_is_cpu_build() -> bool:
         return False
 
 
+def _busiest(n: int = 5) -> str:
+    """The processes that took the most CPU over the last second (what a starved process lost to)."""
+    def ticks() -> dict[int, int]:
+        out = {}
+        for e in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{e}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[int(e)] = int(fields[11]) + int(fields[12])
+            except (OSError, ValueError, IndexError):
+                continue
+        return out
+
+    before = ticks()
+    time.sleep(1.0)
+    after = ticks()
+    top = sorted(((after[p] - before.get(p, after[p]), p) for p in after), reverse=True)[:n]
+    hz = os.sysconf("SC_CLK_TCK")
+    return ", ".join(f"{p} {d / hz:.0%} ({_comm(p)})" for d, p in top if d > 0) or "none"
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
 def test_encode_only_runner_serves_its_real_vision_tower(tiny_model, compat):
     """vLLM's ``MMEncoderModelRunner`` (MRv2's encode-only runner) with NixlECConnector, in its own
     process (tests/mrv2_encoder_runner.py): built on the CPU with vLLM's CPU-worker shim, its real
@@ -314,6 +344,7 @@ def test_encode_only_runner_serves_its_real_vision_tower(tiny_model, compat):
     import sys
     import tempfile
 
+    from ec_nixl.disagg.launcher import describe_process
     from ec_nixl.vllm.metadata import parse_params
     from mrv2_engine import free_port
     from peers import ConsumerProcess
@@ -327,15 +358,19 @@ def test_encode_only_runner_serves_its_real_vision_tower(tiny_model, compat):
         proc = subprocess.Popen([sys.executable, script, tiny_model, str(free_port())], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=err, text=True)
         try:
-            info, deadline = None, time.monotonic() + 240
+            info, deadline, said = None, time.monotonic() + 240, []
             while info is None and time.monotonic() < deadline and proc.poll() is None:
                 if select.select([proc.stdout], [], [], 1.0)[0]:
                     line = proc.stdout.readline()
                     if line.startswith("MRV2_ENCODER_RUNNER "):
                         info = json.loads(line.split(" ", 1)[1])
+                    else:
+                        said = (said + [line])[-30:]
             if info is None:
                 err.seek(0)
-                pytest.fail(f"the encoder runner process gave no result (exit {proc.poll()}):\n{err.read()[-3000:]}")
+                pytest.fail(f"the encoder runner process gave no result (exit {proc.poll()}; "
+                            f"{describe_process(proc.pid)}; busiest: {_busiest()}):\n"
+                            f"{''.join(said)}\n{err.read()[-3000:]}")
             assert info["encoder_only"] and info["published"] == ["real-vit"]
             assert info["shape"] == [ROWS, WIDTH] and info["dtype"] == BF16
             items, errors = parse_params(info["params"], {"real-vit": ROWS}, BF16)

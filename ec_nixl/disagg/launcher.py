@@ -230,8 +230,7 @@ _OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_ne
 
 def where_is(proc: Optional[subprocess.Popen]) -> str:
     """What a process that does not answer is doing, from /proc: each process of its group (the
-    API server and the engine core it started), the program it runs, its state and the kernel
-    function it sleeps in."""
+    API server and the engine core it started), see ``describe_process``."""
     if proc is None:
         return "not started"
     found = []
@@ -239,16 +238,26 @@ def where_is(proc: Optional[subprocess.Popen]) -> str:
         try:
             if os.getpgid(pid) != proc.pid:
                 continue
-            with open(f"/proc/{pid}/status") as f:
-                state = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("State:")), "?")
-            with open(f"/proc/{pid}/wchan") as f:
-                wchan = f.read().strip() or "-"
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a][:5]
-        except OSError:  # gone meanwhile, or not ours to read
+        except OSError:
             continue
-        found.append(f"pid {pid} {state} in {wchan}, {_cpu_use(pid)}: {shlex.join(cmd)}")
+        if (d := describe_process(pid)) is not None:
+            found.append(d)
     return "; ".join(found) if found else f"no process left in group {proc.pid}"
+
+
+def describe_process(pid: int) -> Optional[str]:
+    """One process from /proc: its state, the kernel function it sleeps in, where it may run and
+    how much CPU it got, and the program (None when it is gone or not ours to read)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            state = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("State:")), "?")
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read().strip() or "-"
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a][:5]
+    except OSError:
+        return None
+    return f"pid {pid} {state} in {wchan}, {_cpu_use(pid)}: {shlex.join(cmd)}"
 
 
 def _cpu_use(pid: int) -> str:
