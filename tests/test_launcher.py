@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 
-from ec_nixl.disagg.launcher import Instance, LaunchConfig, Supervisor, cpu_binds, group_alive, plan
+from ec_nixl.disagg.launcher import Instance, LaunchConfig, Supervisor, cpu_binds, group_alive, plan, wedged
 from helpers import wait_until
 
 
@@ -129,3 +129,16 @@ def test_instance_leads_its_group_in_the_launchers_session(tmp_path: Path) -> No
         assert os.getsid(pid) == os.getsid(0)
         sup.stop(1)
     assert not group_alive(pid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_sleeping_or_busy_young_group_is_not_wedged(tmp_path: Path) -> None:
+    """``wedged`` names only what the OS holds (D, or runnable a minute with no CPU): a process
+    waiting in sleep() or a freshly started busy one is the program's own doing."""
+    for argv in (["sleep", "30"], [sys.executable, "-c", "while True: pass"]):
+        inst = Instance(name="w", role="encoder", port=0, argv=argv, env=dict(os.environ), log_path=tmp_path / "w.log")
+        with Supervisor() as sup:
+            sup.spawn(inst)
+            assert wait_until(lambda: _cmdline(inst.proc.pid) == argv, 10)
+            assert wedged(inst.proc.pid) == []
+            sup.stop(1)

@@ -257,7 +257,38 @@ def describe_process(pid: int) -> Optional[str]:
             cmd = [a.decode(errors="replace") for a in f.read().split(b"\0") if a][:5]
     except OSError:
         return None
-    return f"pid {pid} {state} in {wchan}, {_cpu_use(pid)}: {shlex.join(cmd)}"
+    out = f"pid {pid} {state} in {wchan}, {_cpu_use(pid)}: {shlex.join(cmd)}"
+    if state.startswith("D"):  # stuck in the kernel: where (readable by root only)
+        try:
+            with open(f"/proc/{pid}/stack") as f:
+                out += " [kernel stack: " + " < ".join(ln.split()[-1] for ln in f.read().splitlines()[:12]) + "]"
+        except (OSError, IndexError):
+            pass
+    return out
+
+
+def wedged(pgid: int) -> list[str]:
+    """Processes of group ``pgid`` that the OS, not the program, keeps from going on: in
+    uninterruptible kernel sleep (D), or runnable for a minute or more with almost no CPU time given (the stuck
+    restarts on the 2-core CI box were both; see docs/RELIABILITY.md)."""
+    out = []
+    for e in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:
+                continue
+            hz = os.sysconf("SC_CLK_TCK")
+            cpu_s = (int(fields[11]) + int(fields[12])) / hz
+            with open("/proc/uptime") as f:
+                age_s = float(f.read().split()[0]) - int(fields[19]) / hz
+        except (OSError, ValueError, IndexError):
+            continue
+        if fields[0] == "D" or (fields[0] == "R" and cpu_s < 1.0 and age_s >= 60.0):
+            out.append(describe_process(int(e)) or f"pid {e}")
+    return out
 
 
 def _cpu_use(pid: int) -> str:
