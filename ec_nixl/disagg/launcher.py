@@ -267,10 +267,9 @@ def describe_process(pid: int) -> Optional[str]:
     return out
 
 
-def wedged(pgid: int) -> list[str]:
-    """Processes of group ``pgid`` that the OS, not the program, keeps from going on: in
-    uninterruptible kernel sleep (D), or runnable for a minute or more with almost no CPU time given (the stuck
-    restarts on the 2-core CI box were both; see docs/RELIABILITY.md)."""
+def _group_members(pgid: int) -> list[tuple[int, list[str]]]:
+    """``(pid, /proc/pid/stat fields after the command name)`` of each process in group ``pgid``
+    (fields[0] is the state, [2] the group, [11]/[12] user/system ticks, [19] the start time)."""
     out = []
     for e in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not e.isdigit():
@@ -278,16 +277,29 @@ def wedged(pgid: int) -> list[str]:
         try:
             with open(f"/proc/{e}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:
-                continue
-            hz = os.sysconf("SC_CLK_TCK")
-            cpu_s = (int(fields[11]) + int(fields[12])) / hz
-            with open("/proc/uptime") as f:
-                age_s = float(f.read().split()[0]) - int(fields[19]) / hz
+            if int(fields[2]) == pgid:
+                out.append((int(e), fields))
         except (OSError, ValueError, IndexError):
             continue
+    return out
+
+
+def wedged(pgid: int) -> list[str]:
+    """Processes of group ``pgid`` that the OS, not the program, keeps from going on: in
+    uninterruptible kernel sleep (D), or runnable for a minute or more with almost no CPU time
+    given (the stuck restarts on the 2-core CI box were both; see docs/RELIABILITY.md)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except OSError:
+        return []
+    out = []
+    for pid, fields in _group_members(pgid):
+        cpu_s = (int(fields[11]) + int(fields[12])) / hz
+        age_s = uptime - int(fields[19]) / hz
         if fields[0] == "D" or (fields[0] == "R" and cpu_s < 1.0 and age_s >= 60.0):
-            out.append(describe_process(int(e)) or f"pid {e}")
+            out.append(describe_process(pid) or f"pid {pid}")
     return out
 
 
@@ -316,17 +328,7 @@ def group_alive(pgid: int) -> bool:
         return True
     if not os.path.isdir("/proc"):
         return True
-    for e in os.listdir("/proc"):
-        if not e.isdigit():
-            continue
-        try:
-            with open(f"/proc/{e}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return any(fields[0] != "Z" for _, fields in _group_members(pgid))
 
 
 def _http_ok(url: str, timeout: float = 2.0) -> bool:
