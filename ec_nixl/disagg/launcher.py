@@ -233,15 +233,7 @@ def where_is(proc: Optional[subprocess.Popen]) -> str:
     API server and the engine core it started), see ``describe_process``."""
     if proc is None:
         return "not started"
-    found = []
-    for pid in sorted(int(e) for e in os.listdir("/proc") if e.isdigit()):
-        try:
-            if os.getpgid(pid) != proc.pid:
-                continue
-        except OSError:
-            continue
-        if (d := describe_process(pid)) is not None:
-            found.append(d)
+    found = [d for pid, _ in _group_members(proc.pid) if (d := describe_process(pid)) is not None]
     return "; ".join(found) if found else f"no process left in group {proc.pid}"
 
 
