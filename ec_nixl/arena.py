@@ -87,6 +87,8 @@ class Arena:
         typed = self._typed.get(dtype)
         if typed is None:
             typed = self._typed[dtype] = self.bytes[: self.size - self.size % dtype.itemsize].view(dtype)
+        if len(shape) == 2:  # [num_embeds, width]: the encoder outputs' shape
+            return typed.as_strided(tuple(shape), (shape[1], 1), offset // dtype.itemsize)
         strides, step = [], 1
         for d in reversed(shape):
             strides.append(step)

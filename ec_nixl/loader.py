@@ -332,10 +332,8 @@ class Loader:
         # has taken it, which needs the producer's progress. A ReadDone message is sent after
         # DONE instead (settle), off the hand-over.
         t_post = time.perf_counter()
-        blocks_for = self.pool.blocks_for
         try:
-            x = self.transport.post_many("READ", link.peer, [(t.slot.block, b, blocks_for(t.ref.desc.nbytes))
-                                                             for t, b in batch])
+            x = self.transport.post_many("READ", link.peer, [(t.slot.block, b, t.slot.nblocks) for t, b in batch])
         except TransferFailed as e:
             for t, _ in batch:
                 self.fail(t, str(e), e.reason)

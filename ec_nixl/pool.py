@@ -177,7 +177,8 @@ class Pool:
                 self._next_id += 1
                 self._live[slot.id] = slot
                 self._used_blocks += n
-                self._high_water = max(self._high_water, self._used_blocks)
+                if self._used_blocks > self._high_water:
+                    self._high_water = self._used_blocks
                 self._allocs += 1
                 return slot
         return None

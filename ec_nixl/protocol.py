@@ -13,11 +13,12 @@ import enum
 import hashlib
 import hmac
 import json
-import math
 import os
 from typing import Optional, Union
 
 import msgspec
+
+from ec_nixl.errors import IncompatiblePeer, ProtocolError
 
 PROTOCOL_VERSION = 2
 
@@ -247,7 +248,6 @@ def encode(msg: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     """Decode one control message; any malformed input raises ``ProtocolError``."""
-    from ec_nixl.errors import ProtocolError
 
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"control message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
@@ -289,16 +289,22 @@ def decode_notif(data: bytes) -> Optional[tuple[str, str, list[str], int]]:
 
 def validate_item(desc: ItemDesc, *, width: Optional[int] = None, dtype: Optional[str] = None) -> None:
     """Raise ProtocolError unless the description is self-consistent (and matches the model)."""
-    from ec_nixl.errors import IncompatiblePeer, ProtocolError
 
     h = desc.mm_hash
     if not h or len(h) > 512:
         raise ProtocolError(f"bad mm_hash {h[:64]!r}: must be 1..512 characters")
-    if desc.dtype not in DTYPE_SIZES:
+    size = DTYPE_SIZES.get(desc.dtype)
+    if size is None:
         raise ProtocolError(f"item {h}: unsupported dtype {desc.dtype!r} (known: {sorted(DTYPE_SIZES)})")
-    if not 1 <= len(desc.shape) <= MAX_NDIM or any((not isinstance(d, int)) or d <= 0 for d in desc.shape):
-        raise ProtocolError(f"item {h}: bad shape {desc.shape!r}: need 1..{MAX_NDIM} positive dims")
-    expect = math.prod(desc.shape) * DTYPE_SIZES[desc.dtype]
+    shape = desc.shape
+    expect = size
+    for d in shape:  # one pass: type, sign and the product (this runs on every load)
+        if type(d) is not int or d <= 0:
+            expect = 0
+            break
+        expect *= d
+    if not expect or not 1 <= len(shape) <= MAX_NDIM:
+        raise ProtocolError(f"item {h}: bad shape {shape!r}: need 1..{MAX_NDIM} positive dims")
     if desc.nbytes != expect:
         raise ProtocolError(f"item {h}: nbytes {desc.nbytes} != shape {desc.shape} x {desc.dtype} = {expect}")
     if not 0 < desc.nbytes <= MAX_ITEM_BYTES:
@@ -311,7 +317,6 @@ def validate_item(desc: ItemDesc, *, width: Optional[int] = None, dtype: Optiona
 
 def validate_state_matches(state: ItemState, want: ItemDesc, arena: Optional[ArenaInfo] = None) -> None:
     """A producer's grant must describe exactly the item asked for (and lie inside its arena)."""
-    from ec_nixl.errors import ProtocolError
 
     if state.mm_hash != want.mm_hash:
         raise ProtocolError(f"grant for {state.mm_hash!r} answers a request for {want.mm_hash!r}")

@@ -97,16 +97,23 @@ class LoadTicket:
     def prepare_view(self) -> None:
         """Build the item's tensor view ahead of landing (while its READ runs): the hand-over
         then only flips the state. The view is not handed out before ``land``."""
-        if self._view is None and self.slot is not None:
+        slot = self.slot
+        if self._view is None and slot is not None:
             d = self.ref.desc
-            self._view = self.slot.view(d.shape, torch_dtype(d.dtype))
+            if d.nbytes > slot.nblocks * self._pool.block_size:
+                raise ValueError(f"item {d.mm_hash} of {d.nbytes} B does not fit {slot!r}")
+            self._view = self._pool.arena.typed_view(slot.block * self._pool.block_size, d.shape,
+                                                     torch_dtype(d.dtype))
 
     def land(self) -> None:
         """The bytes are in our pool: build the view now (unless prepared), off the waiter's path."""
+        if self.slot is None:
+            raise RuntimeError(f"item {self.mm_hash} landed without a slot")
         self.enter(Phase.DONE)
         self.t_done = time.perf_counter()
         self.state = advance(self.state, TicketState.LANDED, TICKET_NEXT)
-        self.tensor()
+        if self._view is None:
+            self.prepare_view()
 
     def fail(self, error: str, reason: str, retryable: bool) -> None:
         """Record the failure; the caller has already decided what happens to the slot."""

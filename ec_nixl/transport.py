@@ -193,6 +193,7 @@ class Transport:
             [(arena.base, arena.size, arena.device_id, "")], arena.mem_type
         )
         self.nblocks = arena.size // block_size
+        self._index = np.arange(self.nblocks, dtype=np.int32)  # block indices, for post_many's slices
         self._local = self._agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", self._strided(arena.base, self.nblocks, arena.device_id), arena.mem_type
         )
@@ -296,18 +297,29 @@ class Transport:
         self._check_owner()
         if not ranges:
             raise TransferFailed("nothing to transfer", reason="BAD_RANGE")
-        li, ri, total = [], [], 0
+        idx, local_n, remote_n = self._index, self.nblocks, peer.arena.size // peer.arena.block
+        if remote_n > len(idx):
+            idx = self._index = np.arange(remote_n, dtype=np.int32)
+        runs: list[list[int]] = []  # ranges that continue each other on both sides, joined
+        total = 0
         for local_block, remote_block, nblocks in ranges:
-            if nblocks <= 0 or local_block < 0 or local_block + nblocks > self.nblocks:
+            if nblocks <= 0 or local_block < 0 or local_block + nblocks > local_n:
                 raise TransferFailed(f"local blocks {local_block}+{nblocks} outside the arena", reason="BAD_RANGE")
-            if remote_block < 0 or (remote_block + nblocks) * peer.arena.block > peer.arena.size:
+            if remote_block < 0 or remote_block + nblocks > remote_n:
                 raise TransferFailed(f"remote blocks {remote_block}+{nblocks} outside {peer.name}'s arena",
                                      reason="BAD_RANGE")
-            li.append(np.arange(local_block, local_block + nblocks, dtype=np.int32))
-            ri.append(np.arange(remote_block, remote_block + nblocks, dtype=np.int32))
             total += nblocks
-        li_a = li[0] if len(li) == 1 else np.concatenate(li)
-        ri_a = ri[0] if len(ri) == 1 else np.concatenate(ri)
+            if runs and runs[-1][0] + runs[-1][2] == local_block and runs[-1][1] + runs[-1][2] == remote_block:
+                runs[-1][2] += nblocks
+            else:
+                runs.append([local_block, remote_block, nblocks])
+        # Slices of one arange (nothing allocated for a run); NIXL merges consecutive blocks into one DMA.
+        if len(runs) == 1:
+            (lb, rb, n), = runs
+            li_a, ri_a = idx[lb:lb + n], idx[rb:rb + n]
+        else:
+            li_a = np.concatenate([idx[lb:lb + n] for lb, _, n in runs])
+            ri_a = np.concatenate([idx[rb:rb + n] for _, rb, n in runs])
         try:
             h = self._agent.make_prepped_xfer(op, self._local, li_a, peer.dlist, ri_a, notif)
             state = self._agent.transfer(h)
