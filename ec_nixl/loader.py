@@ -293,9 +293,9 @@ class Loader:
         not ready or in another mode, another incarnation, no pool space now, or a link with
         a disconnect that must be taken in first."""
         rest: list[LoadTicket] = []
-        groups: dict[str, tuple[Optional[Link], list]] = {}
+        groups: dict[str, tuple[Optional[Link], list[LoadTicket]]] = {}
         wall = time.time()
-        pool = self.pool
+        find = self.links.find
         for t in tickets:
             ref = t.ref
             if ref.block < 0 or wall >= ref.valid_until:
@@ -303,7 +303,7 @@ class Loader:
                 continue
             group = groups.get(ref.producer)
             if group is None:
-                link = self.links.find(ref.producer)
+                link = find(ref.producer)
                 if link is not None and (link.state is not LinkState.READY or link.mode != "read"
                                          or self.links.unread(link)):
                     link = None
@@ -311,18 +311,24 @@ class Loader:
             link = group[0]
             if link is None or (ref.incarnation and ref.incarnation != link.incarnation):
                 rest.append(t)
-                continue
-            try:
-                t.slot = pool.allocate(ref.desc.nbytes, tag=ref.desc.mm_hash)
-            except ECNixlError:
-                rest.append(t)  # _dispatch retries, waits for space or fails it with the reason
-                continue
-            t.mode = "read"
-            group[1].append((t, ref.block))
+            else:
+                group[1].append(t)
         for link, batch in groups.values():
-            if batch:
+            if not batch:
+                continue
+            # One pool lock for the step; an item that does not fit now takes the general path
+            # (_dispatch retries it, waits for space or fails it with the reason).
+            slots = self.pool.try_allocate_many([t.ref.desc.nbytes for t in batch], [t.mm_hash for t in batch])
+            ready = []
+            for t, slot in zip(batch, slots):
+                if slot is None:
+                    rest.append(t)
+                else:
+                    t.slot, t.mode = slot, "read"
+                    ready.append((t, t.ref.block))
+            if ready:
                 self.links.wake(link)
-                self._post(link, batch)
+                self._post(link, ready)
         return rest
 
     def _post(self, link: Link, batch: list[tuple[LoadTicket, int]]) -> None:

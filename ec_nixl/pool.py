@@ -164,6 +164,15 @@ class Pool:
             f"{len(self._quarantine)} quarantined"
         )
 
+    def try_allocate_many(self, sizes: list[int], tags: list[str]) -> list[Optional[Slot]]:
+        """``allocate`` for a step's items under one lock: a slot each, or None for an item that
+        does not fit now. Reclaims nothing and evicts nothing: the caller's general path retries
+        a None with ``allocate``, which does (and names the reason when it still fails)."""
+        bs = self.block_size
+        with self._lock:
+            return [self._take(-(-nbytes // bs), nbytes, tag) if nbytes > 0 else None
+                    for nbytes, tag in zip(sizes, tags)]
+
     def _take(self, n: int, nbytes: int, tag: str) -> Optional[Slot]:
         for i, length in enumerate(self._lens):
             if length >= n:

@@ -141,6 +141,19 @@ def test_too_large_and_exhausted_errors(pool):
     assert pool.stats().evictions == 1
 
 
+def test_try_allocate_many_gives_none_for_what_does_not_fit_now(pool):
+    """The direct load path's batch allocation: side-by-side slots in order, None (not an error,
+    not a partial slot) for an item too large now or ever; a None leaves the pool as it was."""
+    fits = pool.capacity // BLOCK // 2 * BLOCK  # two of these do not fit beside a 2-block item
+    a, b, c, d = pool.try_allocate_many([BLOCK + 1, fits, fits, pool.capacity + 1], ["a", "b", "c", "d"])
+    assert (a.nblocks, a.tag, b.block) == (2, "a", a.block + 2) and b.nblocks == fits // BLOCK
+    assert c is None and d is None
+    assert pool.stats().used == (2 + fits // BLOCK) * BLOCK
+    for s in (a, b):
+        pool.release(s)
+    assert pool.stats().used == 0
+
+
 def test_double_release_is_harmless(pool):
     s = pool.allocate(BLOCK)
     pool.release(s)
