@@ -97,3 +97,19 @@ def test_goal_lines_are_ratios_of_the_rows(capsys):
     assert "idle CPU per process: producer 90.0%, consumer 1.0% of one core" in text and "MISSED (worst 45x" in text
     out = capsys.readouterr().out
     assert all(line in out for line in lines)
+
+
+@pytest.mark.parametrize("extra", [["--floor", "--check"], ["--python-only"], ["--items", "3", "--profile", "--top", "5"]])
+def test_hotpath_probe_runs(extra):
+    """bench/probes/hotpath.py (where a load's host time goes) keeps working: a producer process,
+    real NIXL DRAM loads through the endpoint, checked bytes with --check; --python-only fakes
+    NIXL's post and poll after warm-up (its purpose: the connector's own Python per operation)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "probes", "hotpath.py"), "--size", "64K",
+                        "--n", "12", "--batch", "6", *extra], capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "read 64K" in r.stdout and "n=12 p50" in r.stdout, r.stdout[-2000:]
+    if "--floor" in extra:
+        assert "bare transfer" in r.stdout
+    if "--profile" in extra:
+        assert "function calls" in r.stdout

@@ -9,6 +9,7 @@ the tool for cutting the connector's own per-operation cost (issue: the hot path
 physical limit). Not a benchmark of record: ``ec-nixl bench`` is (it has the raw-NIXL floor).
 
     python bench/probes/hotpath.py [--device cpu|cuda] [--size 64K] [--items 1] [--n 300] [--profile]
+                                   [--floor | --python-only]
 """
 
 from __future__ import annotations
@@ -41,6 +42,40 @@ def bare_read(ep, refs) -> float:
     return dt
 
 
+def fake_nixl_after(warm_posts: int = 20) -> None:
+    """``--python-only``: after ``warm_posts`` real posts, Transport's post/poll/release become
+    instant fakes (a request is DONE at its first poll, nothing moves), so an operation's time is
+    ec-nixl's own Python: a steady number to cut, free of DMA and NIXL noise. Not a transfer."""
+    import ec_nixl.transport as T
+
+    post, finished, release, telemetry = (T.Transport.post_many, T.Transport.finished, T.Transport.release,
+                                          T.Transport.telemetry)
+    posts = [0]
+
+    def fake_post(self, op, peer, ranges, notif=b""):
+        posts[0] += 1
+        if posts[0] <= warm_posts:
+            return post(self, op, peer, ranges, notif)
+        return T.Xfer(None, op, peer.name, sum(r[2] for r in ranges) * self.block_size, "PROC")
+
+    def fake_finished(self, xfers):
+        fake = [x for x in xfers if x.handle is None]
+        for x in fake:
+            x.state = "DONE"
+        real = [x for x in xfers if x.handle is not None]
+        return fake + (finished(self, real) if real else [])
+
+    def fake_release(self, x):
+        if x.handle is None:
+            x.released = True
+            return True
+        return release(self, x)
+
+    T.Transport.post_many, T.Transport.finished = fake_post, fake_finished
+    T.Transport.release = fake_release
+    T.Transport.telemetry = lambda self, x: None if x.handle is None else telemetry(self, x)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -56,7 +91,13 @@ def main() -> None:
     ap.add_argument("--floor", action="store_true",
                     help="also time the bare transfer through the endpoint's own agent and link (no tickets)")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--python-only", action="store_true",
+                    help="after warm-up, NIXL's post and poll are instant fakes: time ec-nixl's own Python only")
     a = ap.parse_args()
+    if a.python_only:
+        if a.check or a.floor:
+            ap.error("--python-only moves no bytes: no --check or --floor")
+        fake_nixl_after()
 
     import torch
 
