@@ -22,7 +22,11 @@ import pytest
 COMMON_VLLM_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager", "--dtype", "bfloat16",
                     "--limit-mm-per-prompt", '{"image":4,"video":0}']
 # Every server gets one core and thus one OpenMP thread, so that reductions (and greedy tokens) match.
-BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
+BASE_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+            # one NUMA node: vLLM's worker skips its migrate_pages (shim/sitecustomize.py says why)
+            "EC_NIXL_E2E_NO_NUMA_MIGRATE": "1",
+            "PYTHONPATH": os.pathsep.join(p for p in (SHIM, os.environ.get("PYTHONPATH", "")) if p)}
 STARTUP_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 120.0
 
