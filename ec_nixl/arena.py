@@ -52,6 +52,10 @@ def _map_dram(size: int) -> tuple[mmap.mmap, int]:
     return buf, offset
 
 
+LANDING_VIEWS = 4096
+"""At most this many cached landing views per arena (a view costs ~200 B of host memory)."""
+
+
 class Arena:
     """A contiguous, never-moving region of DRAM or VRAM with a ``uint8`` tensor view."""
 
@@ -62,6 +66,7 @@ class Arena:
         self.size = int(size)
         self._owner = None
         self._typed: dict[torch.dtype, torch.Tensor] = {}  # whole-arena views per dtype (typed_view)
+        self._landing: dict[tuple, torch.Tensor] = {}  # landing_view's views, by place, shape and dtype
         if self.device.type == "cpu":
             self.mem_type = "DRAM"
             self.device_id = 0
@@ -95,6 +100,21 @@ class Arena:
             step *= d
         return typed.as_strided(tuple(shape), tuple(reversed(strides)), offset // dtype.itemsize)
 
+    def landing_view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
+        """``typed_view``, built once per place, shape and dtype: a consumer's slots are reused
+        for items of the same shape, and building a tensor costs a few microseconds of the
+        load -> barrier path (an ``as_strided`` and a tensor's allocation). Returning the same
+        view object for two items that occupied the same place one after the other changes
+        nothing a caller can see: the bytes at that place are the same either way. Bounded:
+        the cache is dropped whole when it reaches ``LANDING_VIEWS``."""
+        key = (offset, tuple(shape), dtype)
+        v = self._landing.get(key)
+        if v is None:
+            if len(self._landing) >= LANDING_VIEWS:
+                self._landing.clear()
+            v = self._landing[key] = self.typed_view(offset, shape, dtype)
+        return v
+
     def contains(self, t: torch.Tensor) -> bool:
         """True when ``t``'s bytes lie entirely inside this arena (so it needs no copy)."""
         if t.device != self.device:
@@ -104,6 +124,7 @@ class Arena:
 
     def close(self) -> None:
         self._typed.clear()
+        self._landing.clear()
         self.bytes = None  # type: ignore[assignment]
         owner, self._owner = self._owner, None
         if isinstance(owner, _CudaMalloc):

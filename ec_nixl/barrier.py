@@ -32,6 +32,9 @@ from ec_nixl.states import TicketState
 from ec_nixl.tickets import LoadTicket
 
 
+_LANDED = TicketState.LANDED
+
+
 class LoadBarrier:
     """Waits for a step's ``LoadTicket``s; see the module docstring."""
 
@@ -51,14 +54,18 @@ class LoadBarrier:
         too, so a wait never outlives the load timeout.
         """
         t0 = time.perf_counter()
-        if not all(t.state is TicketState.LANDED for t in tickets):
-            self._wait_landed(tickets, timeout)
-        out = {t.mm_hash: t.tensor() for t in tickets}
-        events = [t.event for t in tickets if t.event is not None]
-        if events:
-            stream = torch.cuda.current_stream()
-            for e in events:
-                stream.wait_event(e)
+        for t in tickets:  # (plain loops: this is the hand-over, every step pays it)
+            if t.state is not _LANDED:
+                self._wait_landed(tickets, timeout)
+                break
+        out = {}
+        stream = None
+        for t in tickets:
+            out[t.mm_hash] = t.tensor()
+            if t.event is not None:
+                if stream is None:
+                    stream = torch.cuda.current_stream()
+                stream.wait_event(t.event)
         self.endpoint.metrics.wait(time.perf_counter() - t0)
         return out
 
@@ -66,16 +73,18 @@ class LoadBarrier:
         """Wait until every ticket is final, within budget; raise ``LoadFailed`` unless all landed."""
         budget = timeout
         if budget is None:
-            budget = max((t.deadline for t in tickets), default=0.0) - time.monotonic() + 0.05
+            budget = max([t.deadline for t in tickets], default=0.0) - time.monotonic() + 0.05
         loader = self.endpoint.loader
         if loader is not None and self.endpoint.loop.is_owner:
             loader.drive(list(tickets), time.monotonic() + max(0.0, budget), settle=self.settle)
         else:
             self.endpoint.wait_for(lambda: all(t.done for t in tickets), max(0.0, budget))
+        if all(t.state is _LANDED for t in tickets):
+            return
         late = [t for t in tickets if not t.done]
         if late:  # out of time: make them final (quarantining any DMA target) before reporting
             self.endpoint.cancel(late, "not landed before the barrier's deadline")
-        failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state is not TicketState.LANDED}
+        failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state is not _LANDED}
         if failures:
             raise LoadFailed(failures)
 

@@ -28,12 +28,13 @@ from ec_nixl.links import Link, Links
 from ec_nixl.loop import OwnerLoop
 from ec_nixl.metrics import Metrics
 from ec_nixl.pool import Pool, Slot
-from ec_nixl.states import IN_DMA, LinkState, Phase
+from ec_nixl.states import IN_DMA, LinkState, Phase, TicketState
 from ec_nixl.tickets import ItemRef, LoadTicket
 from ec_nixl.transport import Transport, Xfer
 
 logger = logging.getLogger("ec_nixl")
 
+_PENDING, _READ = TicketState.PENDING, Phase.READ
 _RETRYABLE = frozenset({P.Nack.NOT_READY.value, P.Nack.BUSY.value})
 ROUND_EVERY_S = 0.001
 """While a waiter polls its own READs, it still runs a full loop round this often (heartbeats,
@@ -64,6 +65,13 @@ class _Lane:
         for batch in self.by_req.values():
             out.extend(batch)
         return out + list(self.pushed.values())
+
+
+def _all_reading(tickets: list[LoadTicket]) -> bool:
+    for t in tickets:
+        if t.phase is not _READ:
+            return False
+    return True
 
 
 def _by_reader(tickets: list[LoadTicket]) -> dict[tuple[int, int], list[LoadTicket]]:
@@ -327,8 +335,8 @@ class Loader:
                     t.slot, t.mode = slot, "read"
                     ready.append((t, t.ref.block))
             if ready:
-                self.links.wake(link)
                 self._post(link, ready)
+                self.links.wake(link)  # bookkeeping (the silence clock), after the DMA started
         return rest
 
     def _post(self, link: Link, batch: list[tuple[LoadTicket, int]]) -> None:
@@ -361,13 +369,13 @@ class Loader:
         thread hand-off, no socket poll between a READ's completion and its hand-over.
         ``settle=False`` leaves the after-completion work to the caller's next round.
         """
-        pending = [t for t in tickets if t.pending]
+        pending = [t for t in tickets if t.state is _PENDING]
         next_round = time.monotonic() + ROUND_EVERY_S
         while pending:
             now = time.monotonic()
             if now >= deadline:
                 return False
-            if now < next_round and all(t.phase is Phase.READ for t in pending):
+            if now < next_round and _all_reading(pending):
                 xfers = list({t.xfer: None for t in pending})
                 views = [t for t in pending if not t.has_view]
                 finished = self.transport.finished
@@ -385,7 +393,7 @@ class Loader:
             else:
                 self.loop.progress(0.0)
                 next_round = time.monotonic() + ROUND_EVERY_S
-            pending = [t for t in pending if t.pending]
+            pending = [t for t in pending if t.state is _PENDING]
         if settle:
             self.settle()
         return True

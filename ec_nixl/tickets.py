@@ -102,8 +102,8 @@ class LoadTicket:
             d = self.ref.desc
             if d.nbytes > slot.nblocks * self._pool.block_size:
                 raise ValueError(f"item {d.mm_hash} of {d.nbytes} B does not fit {slot!r}")
-            self._view = self._pool.arena.typed_view(slot.block * self._pool.block_size, d.shape,
-                                                     torch_dtype(d.dtype))
+            self._view = self._pool.arena.landing_view(slot.block * self._pool.block_size, d.shape,
+                                                       torch_dtype(d.dtype))
 
     def land(self) -> None:
         """The bytes are in our pool: build the view now (unless prepared), off the waiter's path."""

@@ -63,6 +63,11 @@ class RawAgent:
         self.params = backend_params(cuda, params)
         self.agent = nixl_agent(name, nixl_agent_config(backends=[], enable_prog_thread=False))
         self.agent.create_backend("UCX", self.params)
+        from ec_nixl.transport import nixl_calls
+
+        # The same NIXL calls as ec-nixl's transport (the bindings, not the wrapper's methods):
+        # the floor must not be slower than what ours uses to reach NIXL.
+        self.post, self.status = nixl_calls(self.agent)
         self.buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         if fill is not None:
             self.buf.copy_(fill[:nbytes])
@@ -98,12 +103,11 @@ class RawAgent:
 
     def xfer(self, op: str, slots) -> float:
         """Seconds from ``make_prepped_xfer`` to DONE of one request over ``slots`` (both sides)."""
-        a, (local, remote) = self.agent, self.ring
+        a, (local, remote), status = self.agent, self.ring, self.status
         t0 = time.perf_counter()
-        h = a.make_prepped_xfer(op, local, slots, remote, slots)
-        st = a.transfer(h)
+        h, st = self.post(op, local, slots, remote, slots, b"")
         while st == "PROC":
-            st = a.check_xfer_state(h)
+            st = status(h)
             if time.perf_counter() - t0 > XFER_TIMEOUT_S:
                 break
         dt = time.perf_counter() - t0
