@@ -33,6 +33,8 @@ SMALL = 16 << 20  # pools of the fault tests: small, so that filling one is chea
 # UCX over TCP only (no CMA, no shared memory): a READ cannot finish while its producer is frozen,
 # where CMA would have copied the bytes while the READ was being posted.
 TCP_ONLY = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+NO_VRAM_TCP = ("UCX over TCP moves DRAM only (NIXL refuses UCX_TLS=tcp where GPUs are present), and "
+               "between VRAM pools cuda_ipc completes without the frozen peer: this fault has no VRAM twin")
 
 
 # --------------------------------------------------------------------------------------------

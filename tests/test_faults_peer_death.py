@@ -17,7 +17,7 @@ from ec_nixl.barrier import LoadBarrier
 from ec_nixl.config import EndpointConfig
 from ec_nixl.errors import LoadFailed
 from ec_nixl.tickets import ItemRef
-from helpers import (MODES, SMALL, TCP_ONLY, awaiting_push, check, connection_state, drained, fetch, fill_pool,
+from helpers import (MODES, NO_VRAM_TCP, SMALL, TCP_ONLY, awaiting_push, check, connection_state, drained, fetch, fill_pool,
                      landed, overlaps, phase, quarantined_until, refs_for, set_peer_timeout, slot_state, ticket_slot,
                      timing, wait_until)
 from peers import ConsumerProcess, digest, make_item
@@ -107,6 +107,8 @@ def test_producer_sigkill_quarantines_dma_target_until_safe(make_peer, make_cons
     then every block is usable again.
     """
     quarantine = 1.5
+    if mode == "read" and device != "cpu":
+        pytest.skip(NO_VRAM_TCP)
     env = TCP_ONLY if mode == "read" else {}
     for k, v in env.items():
         monkeypatch.setenv(k, v)  # for the consumer's agent, created below in this process
@@ -237,6 +239,8 @@ def test_consumer_sigkill_while_producer_pushes(make_peer, make_consumer, device
     cannot finish when the consumer is killed. The producer's push ends, the lease expires, its
     pool returns to 0, it serves others, and the consumer's name can come back."""
     lease = 1.5
+    if when == "posted" and device != "cpu":
+        pytest.skip(NO_VRAM_TCP)
     env = TCP_ONLY if when == "posted" else {}
     prod = make_peer(pool_bytes=64 << 20, announce_lease_s=lease, grant_lease_s=lease, env=env)
     cons = make_peer(ConsumerProcess, name=f"pushed-consumer-{when}", mode="write",
