@@ -155,6 +155,7 @@ def nixl_calls(agent):
             h = agent.make_prepped_xfer(op, local, li, remote, ri, notif)
             return h, agent.transfer(h)
 
+        post.via = "wrapper"
         return post, agent.check_xfer_state
 
     states = {success: "DONE", in_prog: "PROC"}
@@ -167,6 +168,7 @@ def nixl_calls(agent):
     def status(h):
         return states.get(get_status(h._handle).value, "ERR")
 
+    post.via = "bindings"
     return post, status
 
 

@@ -65,6 +65,28 @@ def test_slot_view_is_the_slots_bytes(pool, shape, dtype):
         s.view((s.nblocks * BLOCK + 1,), torch.uint8)
 
 
+def test_landing_views_are_reused_per_place_shape_and_dtype(pool, monkeypatch):
+    """``Arena.landing_view`` builds a place's view once (a consumer's slots come back for items
+    of the same shape), a different shape or dtype at that place gets its own view, every view
+    shows the bytes there now, and the cache stays bounded."""
+    import ec_nixl.arena as arena_mod
+
+    a = pool.arena
+    s = pool.allocate(2 * BLOCK)
+    first = a.landing_view(s.offset, [16, 8], torch.float32)
+    assert a.landing_view(s.offset, (16, 8), torch.float32) is first  # a list or a tuple: one key
+    other_shape = a.landing_view(s.offset, (8, 16), torch.float32)
+    other_dtype = a.landing_view(s.offset, (16, 16), torch.bfloat16)
+    assert other_shape is not first and tuple(other_shape.shape) == (8, 16)
+    assert other_dtype.dtype == torch.bfloat16 and other_dtype.data_ptr() == first.data_ptr()
+    s.bytes()[: 16 * 8 * 4].copy_(torch.arange(16 * 8, dtype=torch.float32).view(torch.uint8))
+    assert torch.equal(first.cpu().reshape(-1), torch.arange(16 * 8, dtype=torch.float32))
+    assert torch.equal(a.landing_view(s.offset, (16, 8), torch.float32).cpu(), first.cpu())
+    monkeypatch.setattr(arena_mod, "LANDING_VIEWS", 3)
+    a.landing_view(s.offset + BLOCK, (4, 4), torch.float32)  # the 4th distinct view: cache dropped first
+    assert len(a._landing) == 1 and a.landing_view(s.offset, (16, 8), torch.float32) is not first
+
+
 def test_fragmentation_reuse_and_coalescing(pool):
     rng = random.Random(0)
     live = []

@@ -3,11 +3,11 @@ processes with plain NIXL and nothing of ec-nixl, so ``ours ÷ raw-nixl`` is the
 
 One ``nixl_agent`` per process, made when the first raw case runs, each over its own buffer
 registered once. Per case both sides prep one strided descriptor list of a ring of item-sized
-slots (``prep_xfer_dlist``; slot k is the same on both sides); an operation is one
-``make_prepped_xfer`` over a step's slots + ``transfer``, polled by the host with
-``check_xfer_state`` until DONE, timed on the initiator's clock. The consumer READs
-(``raw-nixl-read``), the producer WRITEs (``raw-nixl-write``); the other side drives its agent
-meanwhile (a target may need UCX progress: wire-up, emulated protocols). Data only, no
+slots (``prep_xfer_dlist``; slot k is the same on both sides); an operation is one prepped
+request over a step's slots + its post, polled by the host until DONE (NIXL's bindings, called
+as ec-nixl's transport calls them: ``transport.nixl_calls``), timed on the initiator's clock.
+The consumer READs (``raw-nixl-read``), the producer WRITEs (``raw-nixl-write``); the other side
+drives its agent meanwhile (a target may need UCX progress: wire-up, emulated protocols). Data only, no
 notification: ec-nixl's completion messages are part of what the ratio charges to the connector.
 Each chunk poisons the head and tail of its destination slots first and checks them after.
 
@@ -102,7 +102,7 @@ class RawAgent:
         return [probe(self.buf[k * stride : k * stride + nbytes]) for k in range(count)]
 
     def xfer(self, op: str, slots) -> float:
-        """Seconds from ``make_prepped_xfer`` to DONE of one request over ``slots`` (both sides)."""
+        """Seconds from making the request to DONE of one request over ``slots`` (both sides)."""
         a, (local, remote), status = self.agent, self.ring, self.status
         t0 = time.perf_counter()
         h, st = self.post(op, local, slots, remote, slots, b"")
