@@ -103,10 +103,11 @@ class Arena:
     def landing_view(self, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """``typed_view``, built once per place, shape and dtype: a consumer's slots are reused
         for items of the same shape, and building a tensor costs a few microseconds of the
-        load -> barrier path (an ``as_strided`` and a tensor's allocation). Returning the same
-        view object for two items that occupied the same place one after the other changes
-        nothing a caller can see: the bytes at that place are the same either way. Bounded:
-        the cache is dropped whole when it reaches ``LANDING_VIEWS``."""
+        load -> barrier path (an ``as_strided`` and a tensor's allocation). Two items that
+        occupy the same place one after the other get the same view object: same bytes either
+        way; only a caller that changed a view's metadata in place (``resize_``, ``set_``) would
+        see it, and the gather only reads and slices. Bounded: the cache is dropped whole when
+        it reaches ``LANDING_VIEWS``."""
         key = (offset, tuple(shape), dtype)
         v = self._landing.get(key)
         if v is None:

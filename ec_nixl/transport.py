@@ -344,23 +344,24 @@ class Transport:
         idx, local_n, remote_n = self._index, self.nblocks, peer.arena.size // peer.arena.block
         if remote_n > len(idx):
             idx = self._index = np.arange(remote_n, dtype=np.int32)
-        if len(ranges) == 1:  # one item: no joining to do
-            (lb, rb, total), = ranges
-            self._check_range(peer, lb, rb, total, local_n, remote_n)
-            li_a, ri_a = idx[lb:lb + total], idx[rb:rb + total]
+        runs: list[list[int]] = []  # ranges that continue each other on both sides, joined
+        total = 0
+        for local_block, remote_block, nblocks in ranges:
+            if nblocks <= 0 or local_block < 0 or local_block + nblocks > local_n:
+                raise TransferFailed(f"local blocks {local_block}+{nblocks} outside the arena", reason="BAD_RANGE")
+            if remote_block < 0 or remote_block + nblocks > remote_n:
+                raise TransferFailed(f"remote blocks {remote_block}+{nblocks} outside {peer.name}'s arena",
+                                     reason="BAD_RANGE")
+            total += nblocks
+            if runs and runs[-1][0] + runs[-1][2] == local_block and runs[-1][1] + runs[-1][2] == remote_block:
+                runs[-1][2] += nblocks
+            else:
+                runs.append([local_block, remote_block, nblocks])
+        # Slices of one arange (nothing allocated for a run); NIXL merges consecutive blocks into one DMA.
+        if len(runs) == 1:
+            (lb, rb, n), = runs
+            li_a, ri_a = idx[lb:lb + n], idx[rb:rb + n]
         else:
-            runs: list[list[int]] = []  # ranges that continue each other on both sides, joined
-            total = 0
-            for local_block, remote_block, nblocks in ranges:
-                if nblocks <= 0 or local_block < 0 or local_block + nblocks > local_n \
-                        or remote_block < 0 or remote_block + nblocks > remote_n:
-                    self._check_range(peer, local_block, remote_block, nblocks, local_n, remote_n)  # raises
-                total += nblocks
-                if runs and runs[-1][0] + runs[-1][2] == local_block and runs[-1][1] + runs[-1][2] == remote_block:
-                    runs[-1][2] += nblocks
-                else:
-                    runs.append([local_block, remote_block, nblocks])
-            # Slices of one arange (nothing allocated for a run); NIXL merges consecutive blocks into one DMA.
             li_a = np.concatenate([idx[lb:lb + n] for lb, _, n in runs])
             ri_a = np.concatenate([idx[rb:rb + n] for _, rb, n in runs])
         try:
@@ -368,16 +369,6 @@ class Transport:
         except Exception as e:
             raise TransferFailed(f"{op} with {peer.name} could not be posted: {e}", reason="POST") from None
         return Xfer(h, op, peer.name, total * self.block_size, state)
-
-    @staticmethod
-    def _check_range(peer: Peer, local_block: int, remote_block: int, nblocks: int, local_n: int,
-                     remote_n: int) -> None:
-        """Raise BAD_RANGE unless the range lies inside both arenas."""
-        if nblocks <= 0 or local_block < 0 or local_block + nblocks > local_n:
-            raise TransferFailed(f"local blocks {local_block}+{nblocks} outside the arena", reason="BAD_RANGE")
-        if remote_block < 0 or remote_block + nblocks > remote_n:
-            raise TransferFailed(f"remote blocks {remote_block}+{nblocks} outside {peer.name}'s arena",
-                                 reason="BAD_RANGE")
 
     def poll(self, x: Xfer) -> str:
         """Current state: DONE, PROC or ERR (sticky once final)."""

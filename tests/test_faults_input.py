@@ -257,7 +257,8 @@ def test_hostile_grants_fail_their_item_with_a_reason(make_consumer, make_peer, 
         assert pump(cons, fake, lambda: tickets[0].done, 10)
         assert state(tickets[0]) == "landed", tickets[0]
         start = (fake_nblocks - 1) * fake.agent.block
-        assert torch.equal(tickets[0].tensor().view(torch.uint8).reshape(-1).cpu(), fake.agent.buf[start:start + ok.nbytes])
+        landed = tickets[0].tensor().view(torch.uint8).reshape(-1).cpu()
+        assert torch.equal(landed, fake.agent.buf[start:start + ok.nbytes])
         tickets[0].release()
     finally:
         fake.close()
@@ -320,7 +321,8 @@ def test_hostile_welcome_is_refused_and_name_recovers(make_consumer, lie):
         assert pump(cons, second, lambda: tickets[0].done, 10)
         assert state(tickets[0]) == "landed", tickets[0]
         start = 5 * good_agent.block
-        assert torch.equal(tickets[0].tensor().view(torch.uint8).reshape(-1).cpu(), good_agent.buf[start:start + ok.nbytes])
+        landed = tickets[0].tensor().view(torch.uint8).reshape(-1).cpu()
+        assert torch.equal(landed, good_agent.buf[start:start + ok.nbytes])
         tickets[0].release()
     finally:
         second.close()

@@ -18,8 +18,8 @@ from ec_nixl.config import EndpointConfig
 from ec_nixl.errors import LoadFailed
 from ec_nixl.tickets import ItemRef
 from helpers import (MODES, NO_VRAM_TCP, SMALL, TCP_ONLY, awaiting_push, check, connection_state, drained, fetch,
-                     fill_pool, landed, overlaps, phase, quarantined_until, refs_for, set_peer_timeout, slot_state, ticket_slot,
-                     timing, wait_until)
+                     fill_pool, landed, overlaps, phase, quarantined_until, refs_for, set_peer_timeout, slot_state,
+                     ticket_slot, timing, wait_until)
 from peers import ConsumerProcess, digest, make_item
 
 
