@@ -339,10 +339,11 @@ def test_encode_only_runner_serves_its_real_vision_tower(tiny_model, compat):
     scheduler announces the item, and a consumer process reads exactly the runner's tensor."""
     import json
     import os
-    import select
+    import queue
     import subprocess
     import sys
     import tempfile
+    import threading
 
     from ec_nixl.disagg.launcher import describe_process
     from ec_nixl.vllm.metadata import parse_params
@@ -357,15 +358,22 @@ def test_encode_only_runner_serves_its_real_vision_tower(tiny_model, compat):
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, script, tiny_model, str(free_port())], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=err, text=True)
+        # Lines come through a reader thread: select() on the pipe cannot see a line already pulled
+        # into the file object's buffer by an earlier readline() (vLLM logs to stdout too, so the
+        # result line can arrive in one chunk with a log line and then sit there unseen).
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
         try:
             info, deadline, said = None, time.monotonic() + 240, []
-            while info is None and time.monotonic() < deadline and proc.poll() is None:
-                if select.select([proc.stdout], [], [], 1.0)[0]:
-                    line = proc.stdout.readline()
-                    if line.startswith("MRV2_ENCODER_RUNNER "):
-                        info = json.loads(line.split(" ", 1)[1])
-                    else:
-                        said = (said + [line])[-30:]
+            while info is None and time.monotonic() < deadline and (proc.poll() is None or not lines.empty()):
+                try:
+                    line = lines.get(timeout=1.0)
+                except queue.Empty:
+                    continue
+                if line.startswith("MRV2_ENCODER_RUNNER "):
+                    info = json.loads(line.split(" ", 1)[1])
+                else:
+                    said = (said + [line])[-30:]
             if info is None:
                 err.seek(0)
                 pytest.fail(f"the encoder runner process gave no result (exit {proc.poll()}; "
