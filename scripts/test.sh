@@ -14,11 +14,21 @@
 # are given, none otherwise), builds or reuses .venv-vllm-VERSION with that official vLLM wheel
 # (scripts/setup_vllm_venv.sh) and runs the adapter tests that use vLLM's real types there
 # (VLLM_TESTS below) on vLLM's CPU platform. Each version's run must pass and collect tests.
+#
+# Disk: the three venvs take ~4 + 10 + 10 GB (the official vLLM wheels pull CUDA torch and its
+# nvidia-* libraries) plus pip's cache of the downloads. A CI machine can have much less free, so
+# with CI=true (or EC_NIXL_DROP_VENVS=1) pip keeps no cache and each venv is deleted once its tests
+# have run: the peak is one venv and its downloads. The free space is printed before each stage.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${EC_NIXL_VENV:-.venv}
 VLLM_TESTS=(tests/test_vllm_adapter.py tests/test_vllm_mrv2.py tests/test_vllm_v1_runner.py tests/test_vllm_compat.py)
 if [ $# -eq 0 ]; then VERSIONS=${EC_NIXL_VLLM_VERSIONS-0.33.0 0.34.0}; else VERSIONS=${EC_NIXL_VLLM_VERSIONS-}; fi
+DROP=${EC_NIXL_DROP_VENVS:-$([ "${CI:-}" = true ] && echo 1 || echo 0)}
+[ "$DROP" != 1 ] || export PIP_NO_CACHE_DIR=1
+disk() { echo "test.sh: $1: $(df -Ph . | awk 'NR==2 {print $4}') free on $(df -P . | awk 'NR==2 {print $6}')"; }
+drop() { if [ "$DROP" = 1 ]; then rm -rf "$1"; disk "after removing $1"; fi; }
+disk "before $VENV"
 bash scripts/setup_env.sh "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
@@ -29,6 +39,7 @@ if [ "$rc" -eq 5 ]; then
     echo "test.sh: pytest collected no tests: failing on purpose" >&2
 fi
 deactivate
+drop "$VENV"
 
 if [ -z "$VERSIONS" ]; then
     echo "test.sh: no runs against other vLLM versions (pytest args given; EC_NIXL_VLLM_VERSIONS=\"0.33.0 0.34.0\" adds them)"
@@ -37,6 +48,7 @@ for v in $VERSIONS; do
     vv=.venv-vllm-$v
     t0=$SECONDS
     vrc=0
+    disk "before $vv"
     bash scripts/setup_vllm_venv.sh "$vv" "$v" || vrc=$?
     t1=$SECONDS
     if [ "$vrc" -eq 0 ]; then
@@ -44,6 +56,7 @@ for v in $VERSIONS; do
         [ "$vrc" -ne 5 ] || echo "test.sh: vLLM $v: pytest collected no tests: failing on purpose" >&2
     fi
     echo "test.sh: vLLM $v: venv $((t1 - t0)) s, tests $((SECONDS - t1)) s, exit $vrc"
+    drop "$vv"
     [ "$rc" -ne 0 ] || rc=$vrc
 done
 exit "$rc"
