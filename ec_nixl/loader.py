@@ -369,6 +369,8 @@ class Loader:
         thread hand-off, no socket poll between a READ's completion and its hand-over.
         ``settle=False`` leaves the after-completion work to the caller's next round.
         """
+        # (``t.state is _PENDING``, not the ``pending`` property: a property call per ticket per
+        # round costs ~5.5 us more for 32 tickets on the 2-core dev box, on the spin loop's path)
         pending = [t for t in tickets if t.state is _PENDING]
         next_round = time.monotonic() + ROUND_EVERY_S
         while pending:

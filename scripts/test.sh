@@ -26,8 +26,8 @@ VLLM_TESTS=(tests/test_vllm_adapter.py tests/test_vllm_mrv2.py tests/test_vllm_v
 if [ $# -eq 0 ]; then VERSIONS=${EC_NIXL_VLLM_VERSIONS-0.33.0 0.34.0}; else VERSIONS=${EC_NIXL_VLLM_VERSIONS-}; fi
 DROP=${EC_NIXL_DROP_VENVS:-$([ "${CI:-}" = true ] && echo 1 || echo 0)}
 [ "$DROP" != 1 ] || export PIP_NO_CACHE_DIR=1
-disk() { echo "test.sh: $1: $(df -Ph . | awk 'NR==2 {print $4}') free on $(df -P . | awk 'NR==2 {print $6}')"; }
-drop() { if [ "$DROP" = 1 ]; then rm -rf "$1"; disk "after removing $1"; fi; }
+disk() { df -Ph . | awk -v what="$1" 'NR==2 {print "test.sh: " what ": " $4 " free on " $6}'; }
+drop() { [ "$DROP" != 1 ] || rm -rf "$1"; }
 disk "before $VENV"
 bash scripts/setup_env.sh "$VENV"
 # shellcheck disable=SC1091

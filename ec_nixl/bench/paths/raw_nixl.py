@@ -58,13 +58,13 @@ class RawAgent:
         import torch
         from nixl._api import nixl_agent, nixl_agent_config  # type: ignore
 
+        from ec_nixl.transport import nixl_calls
+
         cuda = device.startswith("cuda")
         self.mem = "VRAM" if cuda else "DRAM"
         self.params = backend_params(cuda, params)
         self.agent = nixl_agent(name, nixl_agent_config(backends=[], enable_prog_thread=False))
         self.agent.create_backend("UCX", self.params)
-        from ec_nixl.transport import nixl_calls
-
         # The same NIXL calls as ec-nixl's transport (the bindings, not the wrapper's methods):
         # the floor must not be slower than what ours uses to reach NIXL.
         self.post, self.status = nixl_calls(self.agent)
