@@ -84,6 +84,12 @@ class EndpointConfig:
     """Producer frees an item as soon as every declared reader has read it."""
     evict_unclaimed: bool = True
     """When the pool is full, drop published items nobody has held yet (oldest first)."""
+    reserve_wait_s: float = 1.0
+    """Longest a producer's ``publish``/``reserve`` waits for space that is on its way back (items
+    consumers claimed and are reading, slots behind a fence or in quarantine) before it evicts
+    unclaimed items or fails with ``PoolExhausted``. A read-done message or a fence can lag the
+    consumer's read by a step; without the wait a full pool fails a publish that would fit a few
+    ms later. It never waits when nothing is on its way back. 0: never wait."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -107,6 +113,8 @@ class EndpointConfig:
             raise ConfigError(f"nixl_progress_wait_s must be >= 0, got {self.nixl_progress_wait_s}")
         if self.quarantine_s < 0:
             raise ConfigError(f"quarantine_s must be >= 0, got {self.quarantine_s}")
+        if self.reserve_wait_s < 0:
+            raise ConfigError(f"reserve_wait_s must be >= 0, got {self.reserve_wait_s}")
         if self.listen is not None:
             split_address(self.listen, allow_any_port=True)
         if self.advertise is not None:

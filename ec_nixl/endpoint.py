@@ -71,7 +71,8 @@ class Endpoint:
                 except Exception:
                     arena.close()
                     raise
-                self.items = Published(cfg, self.pool, self.metrics)
+                self.items = Published(cfg, self.pool, self.metrics, wait_for=self.loop.wait_for,
+                                       on_free=self.loop.changed)
             self.links = Links(cfg, self.me, self.loop, self.metrics, self.transport)
             if self.pool is not None:
                 self.loader = Loader(cfg, self.pool, self.transport, self.metrics, self.loop, self.links)
@@ -211,8 +212,8 @@ class Endpoint:
     def _tick(self, now: float) -> None:
         if self.items is not None:
             self.items.expire(now)
-        if self.pool is not None:
-            self.pool.reclaim()
+        if self.pool is not None and self.pool.reclaim():
+            self.loop.changed()  # a publisher may be waiting for that space
 
     def stats(self) -> dict:
         """Metrics snapshot plus pool occupancy and table sizes (plain data)."""

@@ -31,6 +31,8 @@ COUNTERS = (
     "local_fallbacks",
     "late_fallbacks",  # of local_fallbacks: loads that failed after admission, encoded in the same step
     "reclaimed_sessions",  # producer: sessions ended because their consumer's connection went away
+    "reserve_waits",  # producer: publishes/reserves that waited for space on its way back
+    "reserve_failures",  # producer: publishes/reserves that failed for space (PoolExhausted)
 )
 
 

@@ -133,16 +133,7 @@ class Pool:
         Before giving up, deferred frees are reclaimed and then ``evict(nbytes)`` is asked to
         drop unneeded cached items (it returns how many it dropped).
         """
-        if nbytes <= 0:
-            raise ValueError(f"cannot allocate {nbytes} bytes")
-        n = self.blocks_for(nbytes)
-        if n > self.nblocks - self.reserved_blocks:
-            with self._lock:
-                self._failures += 1
-            raise ItemTooLarge(
-                f"item {tag!r} of {nbytes} B needs {n} blocks of {self.block_size} B; the pool "
-                f"holds only {self.capacity} B in all (raise the pool size)"
-            )
+        n = self._blocks_that_fit(nbytes, tag)
         for attempt in range(3):
             with self._lock:
                 slot = self._take(n, nbytes, tag)
@@ -163,6 +154,38 @@ class Pool:
             f"largest free run {largest * self.block_size} B, {len(self._deferred)} deferred, "
             f"{len(self._quarantine)} quarantined"
         )
+
+    def _blocks_that_fit(self, nbytes: int, tag: str) -> int:
+        """Blocks for ``nbytes``; ItemTooLarge when even an empty pool could not hold them."""
+        if nbytes <= 0:
+            raise ValueError(f"cannot allocate {nbytes} bytes")
+        n = self.blocks_for(nbytes)
+        if n > self.nblocks - self.reserved_blocks:
+            with self._lock:
+                self._failures += 1
+            raise ItemTooLarge(
+                f"item {tag!r} of {nbytes} B needs {n} blocks of {self.block_size} B; the pool "
+                f"holds only {self.capacity} B in all (raise the pool size)"
+            )
+        return n
+
+    def try_allocate(self, nbytes: int, tag: str = "") -> Optional[Slot]:
+        """``allocate`` without eviction: a slot, or None when it does not fit now (after
+        reclaiming deferred and quarantined slots); ItemTooLarge when it never can. For callers
+        that wait for space (``Published``)."""
+        n = self._blocks_that_fit(nbytes, tag)
+        with self._lock:
+            slot = self._take(n, nbytes, tag)
+            retry = slot is None and bool(self._deferred or self._quarantine)
+        if retry and self.reclaim():
+            with self._lock:
+                slot = self._take(n, nbytes, tag)
+        return slot
+
+    def free_runs(self) -> list[int]:
+        """The lengths (in blocks) of the free extents, in address order."""
+        with self._lock:
+            return list(self._lens)
 
     def try_allocate_many(self, sizes: list[int], tags: list[str]) -> list[Optional[Slot]]:
         """``allocate`` for a step's items under one lock: a slot each, or None for an item that

@@ -7,6 +7,11 @@ lease. An item is freed when every reader of every interested group is done, whe
 ends, or when it is unpublished — and never while a grant or push still uses its slot, nor while
 a Hold's answer still promises a holder its place (a holder READs there without asking again).
 
+A full pool does not fail a publish at once while space is on its way back: a consumer's
+read-done message, a fence or a quarantine can lag the read by a step, and the allocator is
+first-fit, so ``publish``/``reserve`` wait up to ``reserve_wait_s`` for it (``_allocate``), then
+evict unclaimed items, then fail with an error that says what held the space.
+
 The table is shared: caller threads publish, the owner thread serves. One lock guards it; no
 NIXL or socket call is made under it.
 """
@@ -22,7 +27,7 @@ import torch
 
 from ec_nixl import protocol as P
 from ec_nixl.config import EndpointConfig
-from ec_nixl.errors import ConfigError, ProtocolError
+from ec_nixl.errors import ConfigError, PoolExhausted, ProtocolError
 from ec_nixl.metrics import Metrics
 from ec_nixl.pool import Fence, Pool, Slot
 from ec_nixl.states import PUSH_NEXT, PushState, advance
@@ -95,8 +100,13 @@ class Published:
     """The items table. Public calls (any thread): ``publish``/``publish_many``, ``reserve``/
     ``publish_slot``, ``unpublish``, ``hashes``; the rest is for the server (owner thread)."""
 
-    def __init__(self, cfg: EndpointConfig, pool: Pool, metrics: Metrics):
+    def __init__(self, cfg: EndpointConfig, pool: Pool, metrics: Metrics,
+                 wait_for: Optional[Callable[[Callable[[], bool], float], bool]] = None,
+                 on_free: Callable[[], None] = lambda: None):
+        """``wait_for(pred, timeout)`` blocks a publisher until ``pred()`` (the endpoint's: it drives
+        the owner loop when the caller is the owner); ``on_free()`` wakes such waiters."""
         self.cfg, self.pool, self.metrics = cfg, pool, metrics
+        self._wait_for, self._on_free = wait_for, on_free
         self._lock = threading.Lock()
         self._items: dict[str, Item] = {}
 
@@ -145,7 +155,7 @@ class Published:
                         pool.hold(slot)
                         self._add(desc, slot, ready)
                     else:
-                        slot = pool.allocate(desc.nbytes, tag=mm_hash, evict=self._evictor())
+                        slot = self._allocate(desc.nbytes, mm_hash)
                         copies.append((desc, slot, tensor.reshape(-1).view(torch.uint8)))
                 seen[mm_hash] = desc
                 descs.append(desc)
@@ -170,7 +180,85 @@ class Published:
 
     def reserve(self, nbytes: int, tag: str = "") -> Slot:
         """A pool slot to write an item into directly (zero-copy publish with ``publish_slot``)."""
-        return self.pool.allocate(nbytes, tag=tag, evict=self._evictor())
+        return self._allocate(nbytes, tag)
+
+    def _allocate(self, nbytes: int, tag: str) -> Slot:
+        """A slot now; else, while space is on its way back (``releasing``), wait for it up to
+        ``reserve_wait_s``; then evict unclaimed items; then fail naming what held the space."""
+        pool = self.pool
+        slot = pool.try_allocate(nbytes, tag)
+        if slot is not None:
+            return slot
+        waited = 0.0
+        if self.cfg.reserve_wait_s > 0 and self._wait_for is not None and self.releasing():
+            self.metrics.count("reserve_waits")
+            got: list[Slot] = []
+
+            def fits_or_hopeless() -> bool:
+                slot = pool.try_allocate(nbytes, tag)
+                if slot is not None:
+                    got.append(slot)
+                    return True
+                return not self.releasing()
+
+            t0 = time.monotonic()
+            self._wait_for(fits_or_hopeless, self.cfg.reserve_wait_s)
+            waited = time.monotonic() - t0
+            if got:
+                return got[0]
+        try:
+            return pool.allocate(nbytes, tag=tag, evict=self._evictor())
+        except PoolExhausted as e:
+            self.metrics.count("reserve_failures")
+            why = f"waited {waited:.2f}s for space on its way back" if waited else "nothing was on its way back"
+            raise PoolExhausted(f"{e}; {why}; the space is held by {self.held_by()}") from None
+
+    def releasing(self) -> bool:
+        """Whether pool space may come back without a new request: an item a consumer claimed and
+        has not finished reading, one pinned, pushed or withdrawn under a promise, a slot behind
+        a fence or in quarantine. (Unclaimed items come back only by lease or eviction.)"""
+        pool = self.pool.stats()
+        if pool.deferred or pool.quarantined:
+            return True
+        consumed_frees = self.cfg.free_when_consumed
+        with self._lock:
+            for item in self._items.values():
+                if item.busy() or item.withdrawn or (consumed_frees and item.interest and not item.satisfied()):
+                    return True
+        return False
+
+    def held_by(self) -> str:
+        """What keeps the pool's space, in one line (for errors and status): items by what keeps
+        them, the pool's deferred and quarantined slots, and how the free space is split."""
+        kinds = {"being read": 0, "pinned by a READ grant": 0, "pushed": 0, "withdrawn, promised": 0,
+                 "read, kept": 0, "unclaimed": 0}
+        oldest: list[str] = []
+        with self._lock:
+            for h, item in sorted(self._items.items(), key=lambda kv: kv[1].t_pub):
+                if item.pushes:
+                    k = "pushed"
+                elif item.pins:
+                    k = "pinned by a READ grant"
+                elif item.withdrawn:
+                    k = "withdrawn, promised"
+                elif not item.interest:
+                    k = "unclaimed"
+                elif item.satisfied():
+                    k = "read, kept"
+                else:
+                    k = "being read"
+                kinds[k] += 1
+                if len(oldest) < 3:
+                    oldest.append(f"{h} ({k})")
+        n = sum(kinds.values())
+        st = self.pool.stats()
+        parts = [f"{n} published item(s)" + (": " + ", ".join(f"{v} {k}" for k, v in kinds.items() if v) if n else "")]
+        if oldest:
+            parts.append("oldest " + ", ".join(oldest))
+        parts.append(f"{st.deferred} slot(s) behind a fence, {st.quarantined} quarantined")
+        runs = self.pool.free_runs()
+        parts.append(f"free space in {len(runs)} run(s), largest {max(runs, default=0) * self.pool.block_size} B")
+        return "; ".join(parts)
 
     def publish_slot(self, mm_hash: str, slot: Slot, shape, dtype: torch.dtype,
                      ready: Optional[Fence] = None) -> P.ItemDesc:
@@ -200,7 +288,7 @@ class Published:
             if not self._gone(item, now):
                 return True
             del self._items[mm_hash]
-        self.pool.release(item.slot)
+        self._release(item.slot)
         return True
 
     def _gone(self, item: Item, now: float) -> bool:
@@ -211,6 +299,11 @@ class Published:
         if item.withdrawn:
             return now >= item.promised or item.satisfied()
         return self.cfg.free_when_consumed and item.satisfied()
+
+    def _release(self, slot: Slot) -> None:
+        """The table lets go of an item's slot; a publisher waiting for space is woken."""
+        self.pool.release(slot)
+        self._on_free()
 
     def _add(self, desc: P.ItemDesc, slot: Slot, ready: Optional[Fence]) -> None:
         with self._lock:
@@ -234,7 +327,7 @@ class Published:
                     del self._items[h]
         for item in victims:
             logger.info("evicting unclaimed item %s (%d B) to make room", item.desc.mm_hash, item.desc.nbytes)
-            self.pool.release(item.slot)
+            self._release(item.slot)
         return len(victims)
 
     # --- serving (owner thread) ------------------------------------------------------
@@ -360,7 +453,7 @@ class Published:
             if not self._gone(item, time.monotonic()) or self._items.get(item.desc.mm_hash) is not item:
                 return
             del self._items[item.desc.mm_hash]
-        self.pool.release(item.slot)
+        self._release(item.slot)
 
     def expire(self, now: float) -> None:
         """End pins and leases that ran out (items nobody read are counted, then freed)."""
@@ -381,7 +474,7 @@ class Published:
             if not item.satisfied():
                 self.metrics.count("expired_leases")
                 logger.info("ec-nixl: lease of %s expired unread", item.desc.mm_hash)
-            self.pool.release(item.slot)
+            self._release(item.slot)
 
     def inspect(self) -> dict[str, dict]:
         """What keeps each item alive, as plain data (for status output and test messages)."""

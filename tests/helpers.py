@@ -218,6 +218,29 @@ def drop_read_done(ep) -> None:
     ep.links.send = lambda link, msg: None if isinstance(msg, P.ReadDone) else send(link, msg)
 
 
+def hold_read_done(ep) -> Callable[[], int]:
+    """FAULT INJECTION: this consumer's read-done messages are kept back until the returned
+    ``deliver()`` (owner thread) sends them and stops holding: a read-done that lags behind the
+    read, as on a loaded host. ``deliver`` returns how many it sent."""
+    send = ep.links.send
+    held: list = []
+
+    def hold(link, msg):
+        if isinstance(msg, P.ReadDone):
+            held.append((link, msg))
+        else:
+            send(link, msg)
+
+    def deliver() -> int:
+        ep.links.send = send
+        for link, msg in held:
+            send(link, msg)
+        return len(held)
+
+    ep.links.send = hold
+    return deliver
+
+
 def producer_pushes(ep) -> list[tuple[str, str]]:
     """The pushes a producer is working on, as (mm_hash, 'queued' | 'posted')."""
     return [(h, _name(st)) for h, st in ep.server.pusher.active()]

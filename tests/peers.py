@@ -280,6 +280,10 @@ class PeerProcess:
         """Start a command without waiting for its answer (``result`` collects it)."""
         self._conn.send((cmd, args))
 
+    def answered(self) -> bool:
+        """Whether the command started with ``send`` has answered (without collecting it)."""
+        return self._conn.poll()
+
     def result(self, cmd: str = "?", timeout: float = 60.0) -> Any:
         if not self._conn.poll(timeout):
             raise TimeoutError(f"{type(self).__name__} command {cmd} timed out")

@@ -30,6 +30,7 @@ def test_unknown_key_lists_valid_ones():
     ({"listen": "nohost"}, "host:port"),
     ({"pool_bytes": 1024}, "too small"),
     ({"pool_bytes": True}, "boolean"),
+    ({"reserve_wait_s": -0.5}, "reserve_wait_s must be >= 0"),
 ])
 def test_bad_values_are_named(opts, msg):
     with pytest.raises(ConfigError, match=msg):

@@ -176,6 +176,27 @@ def test_try_allocate_many_gives_none_for_what_does_not_fit_now(pool):
     assert pool.stats().used == 0
 
 
+def test_try_allocate_waits_for_nothing_and_reports_the_free_runs(pool):
+    """What a waiting publisher polls: a slot or None (never PoolExhausted, never an eviction),
+    a deferred slot whose fence completed counts as free, an item that can never fit still
+    raises ItemTooLarge; ``free_runs`` shows how the free space is split."""
+    fence = Ready(False)
+    a = pool.allocate(pool.capacity - 2 * BLOCK, tag="a")
+    b = pool.allocate(BLOCK, tag="b")
+    pool.release(b, fence)  # deferred behind the fence: not free yet
+    assert pool.try_allocate(2 * BLOCK, "c") is None and pool.stats().failures == 0
+    assert pool.free_runs() == [1]
+    fence.set()
+    c = pool.try_allocate(2 * BLOCK, "c")
+    assert c is not None and c.nblocks == 2 and pool.stats().deferred == 0
+    with pytest.raises(ItemTooLarge):
+        pool.try_allocate(pool.capacity + 1, "huge")
+    pool.release(a)
+    assert pool.free_runs() == [pool.capacity // BLOCK - 2]
+    pool.release(c)
+    assert pool.free_runs() == [pool.capacity // BLOCK] and pool.stats().used == 0
+
+
 def test_double_release_is_harmless(pool):
     s = pool.allocate(BLOCK)
     pool.release(s)

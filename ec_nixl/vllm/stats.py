@@ -73,6 +73,8 @@ class NixlECConnectorStats(ECConnectorStats):
             "prefetched": c.get("prefetched", 0),
             "expired_leases": c.get("expired_leases", 0),
             "staging_copies": c.get("staging_copies", 0),
+            "reserve_waits": c.get("reserve_waits", 0),
+            "reserve_failures": c.get("reserve_failures", 0),
         }
         if d["pool"]:
             out["pool_used_bytes"] = sum(int(r.get("used", 0)) for r in d["pool"].values())
@@ -104,6 +106,8 @@ _PROM_COUNTERS = {
     "transfers": "vllm:nixl_ec_num_transfers",
     "staging_copies": "vllm:nixl_ec_num_staging_copies",
     "quarantined": "vllm:nixl_ec_num_quarantined",
+    "reserve_waits": "vllm:nixl_ec_num_reserve_waits",
+    "reserve_failures": "vllm:nixl_ec_num_reserve_failures",
 }
 
 
