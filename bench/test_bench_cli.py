@@ -56,6 +56,83 @@ def test_bare_install_runs_the_main_job(tmp_path):
     assert "idle CPU per process:" in r.stdout and "ours vs raw-nixl" in r.stdout
 
 
+LATE_READ_DONE = """
+import os
+import time
+
+import ec_nixl.published as published
+
+# FAULT INJECTION: the producer takes each read-done message {delay} s late (a starved I/O thread
+# on a loaded host): it is queued, then handled by the first timer tick after that, on the same
+# owner thread, so nothing else of the producer is slowed down.
+_handle, _expire = published.Published.read_done, published.Published.expire
+
+
+def read_done(self, *args):
+    self.__dict__.setdefault("late", []).append((time.monotonic() + {delay}, args))
+
+
+def expire(self, now):
+    late = self.__dict__.get("late")
+    while late and late[0][0] <= now:
+        _handle(self, *late.pop(0)[1])
+    return _expire(self, now)
+
+
+published.Published.read_done, published.Published.expire = read_done, expire
+"""
+
+
+def test_a_chunk_starts_once_the_last_chunks_items_are_freed(tmp_path):
+    """The producer frees an item when it handles the consumer's read-done, which can lag. A
+    chunk made before then was placed first-fit around the old items; with pools sized for one
+    chunk, the free space between could fit no last item, and the bench failed with
+    PoolExhausted (seen in CI, 2026-12-04). Here every read-done is handled 1 s late: the
+    bench must wait for the frees, not fail, and leave nothing behind."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(LATE_READ_DONE.format(delay=1.0))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shim), ROOT, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(
+        [sys.executable, "-m", "ec_nixl.cli", "bench", "--device", "cpu", "--paths", "ours-read", "--sizes", "64K",
+         "--items", "2", "--repeats", "3", "--min-repeats", "2", "--warmup", "1", "--budget-s", "0.05",
+         "--idle-s", "0", "--json", str(tmp_path / "b.json"), "--timeout", "150"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text[-4000:]
+    got = {(x["path"], x["items"]) for x in json.loads((tmp_path / "b.json").read_text())["results"]}
+    assert {("ours-read", 1), ("ours-read", 2)} <= got, got
+    assert "0 B left in its pools after the run" in r.stdout, text[-4000:]
+
+
+def test_a_failure_the_bench_explains_has_no_traceback():
+    """A producer command that fails with a BenchError (a pool too small for a chunk, items not
+    freed) reaches the consumer as that one line; any other error keeps its traceback."""
+    import multiprocessing as mp
+    import threading
+
+    from ec_nixl.bench import proc
+
+    class Obj:
+        def small(self):
+            raise proc.BenchError("the producer's pool cannot take item x (raise --pool-bytes)")
+
+        def bug(self):
+            raise KeyError("k")
+
+    a, b = mp.Pipe()
+    t = threading.Thread(target=proc.serve, args=(Obj(), b, 30.0), daemon=True)
+    t.start()
+    with pytest.raises(proc.BenchError) as e:
+        proc.call(a, "small", timeout=10)
+    assert str(e.value) == "bench producer: the producer's pool cannot take item x (raise --pool-bytes)"
+    with pytest.raises(RuntimeError) as e:
+        proc.call(a, "bug", timeout=10)
+    assert "Traceback" in str(e.value) and "KeyError" in str(e.value)
+    proc.call(a, "close", timeout=10)
+    t.join(10)
+
+
 def test_unknown_path_and_bad_size_are_refused():
     from ec_nixl.bench.command import main
 

@@ -20,6 +20,7 @@ from ec_nixl.bench.paths.base import Skip
 from ec_nixl.bench.units import BLOCK, ItemSpec, pctl
 
 LOADED = ("ours-read", "ours-write")  # the cases that make "under load" in the idle table
+SETTLE_FIRST = ("items", "stage_unpublished", "drain")  # producer commands that wait for our reads to be freed
 
 
 class Consumer:
@@ -83,7 +84,16 @@ class Consumer:
     # --- plumbing for the paths ------------------------------------------------------------
 
     def rpc(self, cmd: str, *args, timeout: float = 120.0):
+        if cmd in SETTLE_FIRST:
+            self.settle()
         return proc.call(self.prod, cmd, *args, timeout=timeout)
+
+    def settle(self) -> None:
+        """Tell the producer now what we read: our endpoints are caller-driven and their barriers
+        leave read-done messages to the next round (as vLLM's PD worker does), which may not come
+        before the producer waits for those items to be freed (``Producer.settle``, ``drain``)."""
+        for ep in getattr(self, "eps", {}).values():
+            ep.progress()
 
     def send(self, *msg) -> None:
         self.ctl.send(msg)

@@ -19,6 +19,11 @@ import traceback
 from typing import Optional
 
 
+class BenchError(RuntimeError):
+    """A failure the bench explains in its message (a pool too small, a peer that cannot keep
+    up): reported as that one line, without a traceback."""
+
+
 def send(conn, cmd: str, *args) -> None:
     conn.send((cmd, args))
 
@@ -28,6 +33,8 @@ def reply(conn, cmd: str, timeout: float = 120.0):
     if not conn.poll(timeout):
         raise TimeoutError(f"bench producer did not answer {cmd!r} within {timeout} s")
     status, value = conn.recv()
+    if status == "failed":
+        raise BenchError(f"bench producer: {value}")
     if status != "ok":
         raise RuntimeError(f"bench producer command {cmd!r} failed: {value}")
     return value
@@ -52,6 +59,8 @@ def serve(obj, conn, idle_timeout_s: float) -> None:
             return
         try:
             conn.send(("ok", getattr(obj, cmd)(*args)))
+        except BenchError as e:
+            conn.send(("failed", str(e)))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
@@ -69,8 +78,9 @@ def run_role(role: str, cfg: dict, ctl, make, body) -> None:
         obj = make()
         body(obj)
     except BaseException as e:
+        text = str(e) if isinstance(e, BenchError) else f"{role}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
         try:
-            ctl.send(("error", f"{role}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            ctl.send(("error", text))
         except Exception:
             pass
     finally:

@@ -15,8 +15,12 @@ import time
 
 from ec_nixl.bench import proc
 from ec_nixl.bench.memory import Source, pin, unpin
+from ec_nixl.bench.proc import BenchError
 from ec_nixl.bench.paths import STAGERS, ours, raw_nixl, ucx
 from ec_nixl.bench.units import BLOCK
+
+CHUNK_SETTLE_S = 30.0
+"""Longest a chunk waits for the items of earlier chunks to be freed (``Producer.settle``)."""
 
 
 class Producer:
@@ -35,6 +39,7 @@ class Producer:
         pid = os.getpid()
         common = dict(pool_bytes=cfg["pool_bytes"], block_bytes=BLOCK, listen="127.0.0.1:0", threaded=True,
                       announce_lease_s=600.0, grant_lease_s=600.0, evict_unclaimed=False, load_timeout_s=60.0,
+                      reserve_wait_s=CHUNK_SETTLE_S,
                       backend_params=cfg.get("backend_params") or {},
                       nixl_progress_thread=cfg.get("nixl_progress_thread"))
         self.ep = Endpoint(EndpointConfig(name=f"ecb-prod-{pid}", device=self.device, **common))
@@ -58,17 +63,30 @@ class Producer:
         return self.source.tensor[off : off + nbytes]
 
     def reserve(self, ep, nbytes: int, tag: str):
-        """A slot, waiting (bounded) for items the consumer just read to be freed."""
-        from ec_nixl import PoolExhausted
+        """A slot for one item of a chunk (the chunk began on an empty pool: ``settle``). A chunk
+        that cannot fit is the bench's own sizing error, reported in one clear line."""
+        from ec_nixl.errors import PoolError
 
-        deadline = time.monotonic() + 20.0
-        while True:
-            try:
-                return ep.reserve(nbytes, tag=tag)
-            except PoolExhausted:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.0005)
+        try:
+            return ep.reserve(nbytes, tag=tag)
+        except PoolError as e:
+            raise BenchError(f"the producer's pool ({ep.pool.capacity} B usable) cannot take item {tag}: {e} "
+                             f"(a bench sizing bug, or a --pool-bytes too small for --items)") from None
+
+    def settle(self) -> None:
+        """Before a chunk's items are made: wait until the items of earlier chunks are freed.
+
+        The consumer has released all of them, but each is freed only when this process's I/O
+        thread has taken the consumer's read-done message, which can lag (a loaded host). First-fit
+        would then place the new chunk around the old items; the pools are sized for one chunk,
+        so the free space left between could fit no last item, and the chunk's own items (read
+        only after this command returns) would keep it split for good. An empty pool first gives
+        every chunk the same layout."""
+        left = self.drain(CHUNK_SETTLE_S)
+        if left:
+            held = "; ".join(e.items.held_by() for e in (self.ep, self.host) if e is not None and e.pool.stats().used)
+            raise BenchError(f"the producer's pool still holds {left} B of earlier chunks after {CHUNK_SETTLE_S:g} s, "
+                             f"although the consumer released them all: {held}")
 
     def new_hash(self, tag: str) -> str:
         self._n += 1
@@ -89,9 +107,11 @@ class Producer:
         import torch
 
         nbytes, shape, dtype = spec
+        self.settle()
         return [STAGERS[kind](self, tag, nbytes, shape, getattr(torch, dtype), per_op) for _ in range(n_ops)]
 
     def stage_unpublished(self, tag: str, spec: tuple, n_ops: int, per_op: int) -> list:
+        self.settle()
         return ours.stage_unpublished(self, tag, spec, n_ops, per_op)
 
     def publish_staged(self, group: str) -> tuple:
