@@ -4,7 +4,7 @@ package, run the tests that guard it against that copy, and print which of them 
 
     python scripts/check_guards.py               # every breakage (CPU tests; ~20 min on two cores)
     python scripts/check_guards.py -k fence      # the breakages whose name contains 'fence'
-    python scripts/check_guards.py --baseline    # first run the same tests on an unbroken copy
+    python scripts/check_guards.py --no-baseline # skip the first run, on an unbroken copy
     python scripts/check_guards.py --marker gpu  # the GPU tests instead (on a CUDA machine)
     python scripts/check_guards.py --list        # the table, nothing run
     python scripts/check_guards.py --check       # every breakage still applies to the source?
@@ -12,8 +12,10 @@ package, run the tests that guard it against that copy, and print which of them 
 Run it with the test environment's Python (e.g. ``.venv/bin/python``); it sets ``PYTHONPATH``
 to the copy itself. Not run by CI: it runs the guarding tests once per breakage. Anyone changing
 the hot path runs it to see that every breakage is still caught, by the tests named in the
-breakage's ``expect``. Exit status 1 if a breakage was caught by none of the tests run (or if
-an ``old`` text is no longer in the source).
+breakage's ``expect``, each by a failing assertion: a test whose process crashes or hangs is
+listed, never counted as catching. It first runs the same tests on an unbroken copy and refuses
+to judge anything (exit status 2) unless they all pass there. Exit status 1 if a breakage was
+not caught by every expected test (or if an ``old`` text is no longer in the source).
 
 Each breakage is data in ``BREAKAGES``: the file, the exact text it replaces (it must occur
 exactly once, so a stale entry stops the script instead of passing silently), the text put
@@ -122,20 +124,39 @@ BREAKAGES: tuple[Breakage, ...] = (
         expect=("test_producer_refuses_a_hello_with_a_wrong_compat_hash",),
     ),
     Breakage(
+        name="publish-fails-without-waiting",
+        guarantee="a full pool's publish waits (bounded) for space consumers are about to free before it fails",
+        file="ec_nixl/published.py",
+        old="""        if self.cfg.reserve_wait_s > 0 and self._wait_for is not None and self.releasing():
+""",
+        new="""        if False:  # BROKEN: never waits for space on its way back
+""",
+        tests=("tests/test_pool_pressure.py",),
+        expect=("test_publish_waits_for_space_a_consumer_is_about_to_free",
+                "test_publish_waits_a_bounded_time_then_says_what_held_the_space"),
+    ),
+    Breakage(
         name="barrier-returns-on-slots",
         guarantee="the barrier hands over an item only once its ticket says it landed",
         file="ec_nixl/barrier.py",
-        old="""        if not all(t.state is TicketState.LANDED for t in tickets):
-            self._wait_landed(tickets, timeout)
-        out = {t.mm_hash: t.tensor() for t in tickets}
+        old="""        for t in tickets:  # (plain loops: this is the hand-over, every step pays it)
+            if t.state is not _LANDED:
+                self._wait_landed(tickets, timeout)
+                break
+        out = {}
+        stream = None
+        for t in tickets:
+            out[t.mm_hash] = t.tensor()
 """,
         new="""        self.endpoint.wait_for(lambda: all(t.done or t.slot is not None for t in tickets),
                                60.0)  # BROKEN: a reserved slot is enough
         failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state is TicketState.FAILED}
         if failures:
             raise LoadFailed(failures)
-        out = {t.mm_hash: t.slot.view(t.ref.desc.shape, getattr(torch, t.ref.desc.dtype))
-               for t in tickets}  # BROKEN: bypasses the ticket's own guard (tensor())
+        out = {}
+        stream = None
+        for t in tickets:
+            out[t.mm_hash] = t.slot.view(t.ref.desc.shape, getattr(torch, t.ref.desc.dtype))  # BROKEN: no guard
 """,
         tests=("tests/test_transfer.py", "tests/test_faults_peer_death.py", "tests/test_soak.py"),
         expect=("test_barrier_returns_at_once_for_landed_items",
@@ -165,11 +186,15 @@ def apply(b: Breakage, root: str) -> None:
         f.write(src.replace(b.old, b.new))
 
 
-def _env(root: str, env_extra: dict) -> dict:
+def _env(root: str, env_extra: dict, marker: str) -> dict:
     """The copy first on the path (checked in ``run_tests``), then whatever the caller had there
-    (e.g. wheels unpacked into a folder on a machine without the venv)."""
+    (e.g. wheels unpacked into a folder on a machine without the venv). CPU runs select vLLM's
+    CPU platform, as scripts/test.sh does for the official vLLM wheels (which otherwise find no
+    device and fail every adapter test)."""
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, **env_extra, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    cpu = {} if marker == "gpu" or "VLLM_TARGET_DEVICE" in os.environ else {"VLLM_TARGET_DEVICE": "cpu"}
+    return {**os.environ, **cpu, **env_extra, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+            "PYTHONFAULTHANDLER": "1"}
 
 
 def _end_session(sid: int) -> None:
@@ -198,37 +223,56 @@ def _end_session(sid: int) -> None:
 
 
 def _pytest(root: str, tests, marker: str, env: dict, timeout: float):
-    """One pytest process: (failed test ids, tests run, crashed: a reason or '')."""
+    """One pytest process: ({test id: "passed" | "failed"}, crashed: a reason or '', progress).
+
+    ``progress`` is pytest's first line of verdict letters (it is printed before a test's
+    teardown, so it still tells a test that failed or passed before the process crashed)."""
     xml = os.path.join(root, "junit.xml")
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", marker, "--junitxml", xml,
            "-o", "junit_family=xunit1", *tests]
-    crashed = ""
+    crashed, out, err = "", "", ""
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
         if proc.returncode not in (0, 1, 5):
             crashed = f"pytest exit {proc.returncode}" + (f" (signal {-proc.returncode})" if proc.returncode < 0 else "")
-            progress = out.lstrip().split("\n", 1)[0].split("[", 1)[0].strip()
-            if len(tests) == 1 and set(progress) <= set(".FEsx") and ("F" in progress or "E" in progress):
-                crashed = f"failed, then {crashed}"  # pytest prints a test's verdict before its teardown
+            where = _fatal_frame(err)
+            if where:
+                crashed += f" in {where}"
     except subprocess.TimeoutExpired:
         crashed = f"hung: killed after {timeout:.0f}s"
     finally:
         _end_session(proc.pid)
         proc.wait(10)
-    failed, ran = [], 0
+    outcomes: dict[str, str] = {}
     if os.path.exists(xml):
         for case in ET.parse(xml).getroot().iter("testcase"):
             if case.find("skipped") is not None:
                 continue
-            ran += 1
-            if case.find("failure") is not None or case.find("error") is not None:
-                failed.append(f"{case.get('file') or case.get('classname')}::{case.get('name')}")
+            node = f"{case.get('file') or case.get('classname')}::{case.get('name')}"
+            failed = case.find("failure") is not None or case.find("error") is not None
+            outcomes[node] = "failed" if failed else "passed"
         os.remove(xml)
     elif not crashed:
         crashed = "no test report"
-    return failed, ran, crashed
+    progress = (out or "").lstrip().split("\n", 1)[0].split("[", 1)[0].strip()
+    return outcomes, crashed, progress
+
+
+def _fatal_frame(stderr: str) -> str:
+    """The innermost Python frame of the crashing thread in faulthandler's dump of a crashed
+    process (PYTHONFAULTHANDLER is on in ``_env``), e.g. 'loop.py:174 progress'; '' if none."""
+    lines = (stderr or "").splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Current thread") and "most recent call first" in line:
+            for frame in lines[i + 1:]:
+                frame = frame.strip()
+                if not frame.startswith("File "):
+                    break
+                path, _, rest = frame[5:].partition(", line ")
+                return f"{os.path.basename(path.strip(chr(34)))}:{rest.replace(' in ', ' ', 1)}"
+    return ""
 
 
 def _collect(root: str, test: str, marker: str, env: dict) -> list[str]:
@@ -238,45 +282,56 @@ def _collect(root: str, test: str, marker: str, env: dict) -> list[str]:
 
 
 def run_tests(root: str, tests: tuple[str, ...], marker: str, env_extra: dict, timeout: float):
-    """Run ``tests`` against the copy at ``root``: (failed test ids, ran, seconds, note).
+    """Run ``tests`` against the copy at ``root``: ({test id: outcome}, seconds, note).
 
-    A breakage may crash pytest itself (e.g. a slot freed under a running DMA): then each file is
-    run on its own, and the tests of a file that crashes one by one, so that every test gets a
-    verdict; a test whose process crashed or hung counts as having caught the breakage.
+    Outcomes: "passed", "failed" (an assertion or error, as pytest reports it), or a crash:
+    "crashed: why", "passed, then crashed: why", "failed, then crashed: why" (the process died
+    or hung; the verdict before it, when pytest printed one). A breakage may crash pytest itself
+    (e.g. a slot freed under a running DMA): then each file is run on its own, and the tests of a
+    file that crashes one by one, so that every test gets an outcome of its own.
     """
-    env = _env(root, env_extra)
+    env = _env(root, env_extra, marker)
     which = subprocess.run([sys.executable, "-c", "import ec_nixl; print(ec_nixl.__file__)"], cwd=root, env=env,
                            capture_output=True, text=True, timeout=120)
     if not which.stdout.strip().startswith(root):
         raise SystemExit(f"check_guards: the copy does not import its own ec_nixl: {which.stdout}{which.stderr}")
     t0 = time.monotonic()
-    failed, ran, crashed = _pytest(root, tests, marker, env, timeout)
+    outcomes, crashed, _ = _pytest(root, tests, marker, env, timeout)
     note = ""
     if crashed:
         note = f"({crashed}: ran again file by file, and test by test where a file crashed)"
-        failed, ran = [], 0
+        outcomes = {}
         for test in tests:
-            f, r, c = _pytest(root, (test,), marker, env, timeout)
-            if c:
-                f, r = [], 0
-                for node in _collect(root, test, marker, env):
-                    f1, r1, c1 = _pytest(root, (node,), marker, env, min(timeout, 900.0))
-                    f += [f"{node} ({c1})"] if c1 else f1
-                    r += 1 if c1 else r1
-            failed += f
-            ran += r
-    return failed, ran, time.monotonic() - t0, note
+            o, c, _ = _pytest(root, (test,), marker, env, timeout)
+            if not c:
+                outcomes.update(o)
+                continue
+            for node in _collect(root, test, marker, env):
+                o1, c1, progress = _pytest(root, (node,), marker, env, min(timeout, 900.0))
+                if not c1:
+                    outcomes.update(o1)
+                    continue
+                before = {"F": "failed, then ", "E": "failed, then ", ".": "passed, then "}.get(progress[:1], "")
+                outcomes[node] = f"{before}crashed: {c1}"
+    return outcomes, time.monotonic() - t0, note
+
+
+def by_assertion(outcome: str) -> bool:
+    """A verdict pytest gave (a failing assertion or error), crash or not after it."""
+    return outcome.startswith("failed")
 
 
 def base_name(test_id: str) -> str:
-    return test_id.rsplit("::", 1)[-1].split("[", 1)[0].split(" (", 1)[0]
+    return test_id.rsplit("::", 1)[-1].split("[", 1)[0]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-k", default="", help="only breakages whose name contains this")
     ap.add_argument("--marker", default="not gpu", help="pytest -m expression (default: 'not gpu')")
-    ap.add_argument("--baseline", action="store_true", help="first run the tests on an unbroken copy")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="skip the run on an unbroken copy (rows are then marked unverified)")
+    ap.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old commands
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per breakage's test run")
     ap.add_argument("--list", action="store_true", help="print the breakages and exit")
     ap.add_argument("--check", action="store_true",
@@ -287,48 +342,59 @@ def main() -> int:
         for b in chosen:
             print(f"{b.name}: {b.guarantee}\n    {b.file}; tests {' '.join(b.tests)}; expect {', '.join(b.expect)}")
         return 0
+    with tempfile.TemporaryDirectory(prefix="ec-nixl-guards-") as tmp:
+        copy_tree(tmp)
+        for b in chosen:
+            apply(b, tmp)  # exits naming a breakage whose old text is gone, before anything runs
     if args.check:
-        with tempfile.TemporaryDirectory(prefix="ec-nixl-guards-") as tmp:
-            copy_tree(tmp)
-            for b in chosen:
-                apply(b, tmp)  # exits naming the breakage whose old text is gone
         print(f"all {len(chosen)} breakages apply")
         return 0
-    failing_anyway: set[str] = set()
-    if args.baseline:
+    if not args.no_baseline:
+        # A test that fails or crashes on the unbroken copy says nothing about a breakage: refuse.
         tests = tuple(dict.fromkeys(t for b in chosen for t in b.tests))
         env = {k: v for b in chosen for k, v in b.env.items()}
         with tempfile.TemporaryDirectory(prefix="ec-nixl-guards-") as tmp:
             copy_tree(tmp)
-            failed, ran, seconds, note = run_tests(tmp, tests, args.marker, env, args.timeout)
-        failing_anyway = set(failed)
-        print(f"baseline (unbroken): {ran} tests, {len(failed)} failed, {seconds:.0f}s {note}".rstrip(), flush=True)
-        for f in failed:
-            print(f"    fails without any breakage: {f}")
-    rows, bad = [], 0
+            outcomes, seconds, note = run_tests(tmp, tests, args.marker, env, args.timeout)
+        bad = {n: o for n, o in outcomes.items() if o != "passed"}
+        print(f"baseline (unbroken): {len(outcomes)} tests, {len(bad)} not passed, {seconds:.0f}s {note}".rstrip(),
+              flush=True)
+        if not outcomes or bad:
+            for n, o in sorted(bad.items()):
+                print(f"    {o}: {n}")
+            print("check_guards: the unbroken copy does not pass its own tests"
+                  + (" (none ran)" if not outcomes else "") + ": no breakage can be judged; fix that first",
+                  file=sys.stderr)
+            return 2
+    rows, bad_rows = [], 0
     for b in chosen:
         with tempfile.TemporaryDirectory(prefix="ec-nixl-guards-") as tmp:
             copy_tree(tmp)
             apply(b, tmp)
-            failed, ran, seconds, note = run_tests(tmp, b.tests, args.marker, b.env, args.timeout)
-        caught = [f for f in failed if f not in failing_anyway]
-        missing = [e for e in b.expect if e not in {base_name(f) for f in caught}]
-        status = "CAUGHT" if caught else "NOT CAUGHT"
-        if not caught or missing:
-            bad += 1
-        print(f"\n{b.name}: {status} by {len(caught)} of {ran} tests run ({seconds:.0f}s) {note}".rstrip(), flush=True)
+            outcomes, seconds, note = run_tests(tmp, b.tests, args.marker, b.env, args.timeout)
+        caught = sorted(n for n, o in outcomes.items() if by_assertion(o))
+        crashes = sorted(n for n, o in outcomes.items() if o != "passed" and not by_assertion(o))
+        missing = [e for e in b.expect if e not in {base_name(n) for n in caught}]
+        status = "CAUGHT" if caught and not missing else "NOT CAUGHT" if not caught else "CAUGHT, NOT BY ALL EXPECTED"
+        if status != "CAUGHT":
+            bad_rows += 1
+        print(f"\n{b.name}: {status}: {len(caught)} of {len(outcomes)} tests failed on it ({seconds:.0f}s) {note}".rstrip(),
+              flush=True)
         print(f"    guarantee: {b.guarantee}")
-        for f in caught:
-            print(f"    caught by {f}")
+        for n in caught:
+            print(f"    caught by {n}" + (f" ({outcomes[n]})" if outcomes[n] != "failed" else ""))
+        for n in crashes:
+            print(f"    {outcomes[n]} (a crash is not counted as caught): {n}")
         for e in missing:
             print(f"    EXPECTED BUT DID NOT CATCH: {e}")
-        rows.append((b.name, caught, ran, seconds, missing))
-    print("\n| breakage | tests that caught it | run | s |\n|---|---|---|---|")
-    for name, caught, ran, seconds, missing in rows:
-        names = ", ".join(sorted(f.split("::", 1)[-1] for f in caught))
+        rows.append((b.name, caught, crashes, len(outcomes), seconds, missing))
+    verified = "" if not args.no_baseline else " (no baseline run: unverified)"
+    print(f"\n| breakage | caught by (failing tests){verified} | crashed, not counted | run | s |\n|---|---|---|---|---|")
+    for name, caught, crashes, ran, seconds, missing in rows:
+        names = ", ".join(n.split("::", 1)[-1] for n in caught)
         miss = f" **missing: {', '.join(missing)}**" if missing else ""
-        print(f"| {name} | {len(caught)}: {names or 'none'}{miss} | {ran} | {seconds:.0f} |")
-    return 1 if bad else 0
+        print(f"| {name} | {len(caught)}: {names or 'none'}{miss} | {len(crashes)} | {ran} | {seconds:.0f} |")
+    return 1 if bad_rows else 0
 
 
 if __name__ == "__main__":
