@@ -33,7 +33,18 @@ COUNTERS = (
     "reclaimed_sessions",  # producer: sessions ended because their consumer's connection went away
     "reserve_waits",  # producer: publishes/reserves that waited for space on its way back
     "reserve_failures",  # producer: publishes/reserves that failed for space (PoolExhausted)
+    "admitted",  # consumer scheduler: requests with remote items admitted
+    "admission_steps",  # consumer scheduler: engine steps those requests waited from first sight
 )
+
+PHASES = (
+    "admit",  # consumer scheduler: a request's first sight -> admitted (remote items only)
+    "hold_rtt",  # consumer scheduler: Hold sent -> its answer received
+    "hold_seen",  # consumer scheduler: Hold sent -> its answer used by a scheduling step
+    "publish",  # producer worker: a step's outputs pinned (flush_publish)
+)
+"""Named durations of a request's control path, sampled per occurrence (seconds): together with
+the transfer (``xfer_s``) and the barrier (``wait_s``) they say where a request's time goes."""
 
 
 class Metrics:
@@ -51,6 +62,7 @@ class Metrics:
         self.post_s: list[float] = []
         self.sizes: list[int] = []
         self.wait_s: list[float] = []
+        self.phases: dict[str, list[float]] = {}
         self.reasons: Counter = Counter()
 
     def count(self, name: str, n: int = 1) -> None:
@@ -77,6 +89,13 @@ class Metrics:
             if len(self.wait_s) < self._max:
                 self.wait_s.append(seconds)
 
+    def phase(self, name: str, seconds: float) -> None:
+        """One sample of control-path phase ``name`` (one of ``PHASES``)."""
+        with self._lock:
+            samples = self.phases.setdefault(name, [])
+            if len(samples) < self._max:
+                samples.append(seconds)
+
     def snapshot(self, reset: bool = False) -> dict:
         with self._lock:
             snap = {
@@ -86,6 +105,7 @@ class Metrics:
                 "post_s": list(self.post_s),
                 "sizes": list(self.sizes),
                 "wait_s": list(self.wait_s),
+                "phases": {k: list(v) for k, v in self.phases.items()},
                 "link_modes": dict(self.link_modes),
             }
             if reset:

@@ -8,6 +8,7 @@ nothing here blocks.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from ec_nixl import protocol as P
@@ -16,7 +17,8 @@ from ec_nixl import protocol as P
 class HoldRequest:
     """An asynchronous Hold; ``states`` is None until answered (or failed/timed out)."""
 
-    __slots__ = ("producer", "mm_hashes", "readers", "req", "deadline", "states", "incarnation")
+    __slots__ = ("producer", "mm_hashes", "readers", "req", "deadline", "states", "incarnation", "t_asked",
+                 "t_answered")
     kind = "hold"
 
     def __init__(self, producer: str, mm_hashes: list[str], readers: int, req: int, deadline: float):
@@ -24,6 +26,8 @@ class HoldRequest:
         self.deadline = deadline
         self.states: Optional[dict[str, P.ItemState]] = None
         self.incarnation = ""  # of the producer that answered (goes into ItemRef.incarnation)
+        self.t_asked = time.monotonic()
+        self.t_answered = 0.0  # when the answer (or the failure) arrived: the round trip's end
 
     @property
     def done(self) -> bool:
@@ -33,10 +37,12 @@ class HoldRequest:
         got = {s.mm_hash: s for s in items if s.mm_hash in self.mm_hashes}
         for h in self.mm_hashes:
             got.setdefault(h, P.ItemState(mm_hash=h, status="BAD_GRANT", detail="left out of the answer"))
+        self.t_answered = time.monotonic()
         self.states = got
 
     def finish(self, status: str, detail: str) -> None:
         if self.states is None:
+            self.t_answered = time.monotonic()
             self.states = {h: P.ItemState(mm_hash=h, status=status, detail=detail) for h in self.mm_hashes}
 
     def message(self, session: str):

@@ -227,7 +227,12 @@ def test_consumer_loads_byte_exact_and_releases(producer, consumer_sides):
     assert worker.endpoint.pool.stats().used == 0
     assert sched.request_finished(req) == (False, {"ec_nixl_consumer": {"loaded": ["img0"], "local": []}})
     stats = sched.get_stats()
-    assert stats.reduce()["loads_landed"] == 1 and took < 5
+    r = stats.reduce()
+    assert r["loads_landed"] == 1 and took < 5
+    # The control path's phases: one Hold, answered before it was used; one request admitted.
+    (rtt,), (seen,), (adm,) = (stats.data["phases"][k] for k in ("hold_rtt", "hold_seen", "admit"))
+    assert 0 < rtt <= seen <= adm, stats.data["phases"]
+    assert stats.data["counters"]["admitted"] == 1 and r["p50_admit_ms"] == round(adm * 1e3, 3)
 
 
 def test_item_that_does_not_land_fails_its_request_not_the_engine(producer, consumer_sides):
@@ -364,14 +369,17 @@ def test_stats_and_prometheus_with_real_prometheus_client():
 
     from ec_nixl.vllm.connector import NixlECConnector
 
-    a = NixlECConnector.build_ec_connector_stats({"counters": {"transfers": 2, "loads_landed": 2},
+    a = NixlECConnector.build_ec_connector_stats({"counters": {"transfers": 2, "loads_landed": 2, "admitted": 2,
+                                                               "admission_steps": 3},
                                                   "xfer_s": [0.001, 0.003], "post_s": [1e-5, 2e-5],
-                                                  "sizes": [1 << 20, 1 << 20]})
+                                                  "sizes": [1 << 20, 1 << 20],
+                                                  "phases": {"admit": [0.01, 0.03, 0.05], "hold_rtt": [0.002]}})
     b = NixlECConnector.build_ec_connector_stats({"counters": {"failed_transfers": 1}, "pool": {"rank0": {"used": 4}}})
     assert not a.is_empty() and NixlECConnector.build_ec_connector_stats({}).is_empty()
     r = a.aggregate(b).reduce()
     assert r["num_transfers"] == 2 and r["num_failed_transfers"] == 1 and r["pool_used_bytes"] == 4
     assert 1.9 < r["avg_xfer_ms"] < 2.1 and r["throughput_gbps"] > 0
+    assert r["p50_admit_ms"] == 30.0 and r["p50_hold_rtt_ms"] == 2.0 and r["avg_admission_steps"] == 1.5
 
     reg = CollectorRegistry()
 
@@ -386,6 +394,9 @@ def test_stats_and_prometheus_with_real_prometheus_client():
     assert reg.get_sample_value("vllm:nixl_ec_num_transfers_total", {"model_name": "m", "engine": "0"}) == 2
     assert reg.get_sample_value("vllm:nixl_ec_pool_used_bytes", {"model_name": "m", "engine": "0"}) == 4
     assert reg.get_sample_value("vllm:nixl_ec_xfer_time_seconds_count", {"model_name": "m", "engine": "0"}) == 2
+    admit = {"model_name": "m", "engine": "0", "phase": "admit"}
+    assert reg.get_sample_value("vllm:nixl_ec_phase_seconds_count", admit) == 3
+    assert abs(reg.get_sample_value("vllm:nixl_ec_phase_seconds_sum", admit) - 0.09) < 1e-9
 
 
 def test_producer_worker_pins_a_step_with_one_pack_and_serves_it(tiny_model):
@@ -409,6 +420,7 @@ def test_producer_worker_pins_a_step_with_one_pack_and_serves_it(tiny_model):
         w.get_finished()
         assert sorted(w.endpoint.published()) == ["a", "b"]
         assert w.endpoint.stats()["counters"]["staging_copies"] == 2
+        assert len(w.endpoint.stats()["phases"]["publish"]) == 1, "one publish phase per step"
         with Endpoint(EndpointConfig(name="reader", pool_bytes=8 << 20, threaded=False,
                                      compat=compat_fields(vc, opts))) as cons:
             descs = {h: P_desc for h, P_desc in zip("ab", w.endpoint.publish_many([("a", cache["a"]),

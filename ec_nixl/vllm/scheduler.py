@@ -69,6 +69,9 @@ class _Admission:
     t0: float = field(default_factory=time.monotonic)
     failed: str = ""
     deferred_step: int = -1  # the step whose metadata carried this request's prefetches
+    first_step: int = 0  # the scheduling step that first saw it (the admission phases count from here)
+    t_first: float = field(default_factory=time.monotonic)
+    admitted: bool = False
 
 
 def _end(feature) -> int:
@@ -160,6 +163,11 @@ class SchedulerSide:
             return False
         if adm.deferred_step == self._step:
             return False
+        if not adm.admitted:
+            adm.admitted = True
+            self.metrics.count("admitted")
+            self.metrics.count("admission_steps", self._step - adm.first_step)
+            self.metrics.phase("admit", time.monotonic() - adm.t_first)
         return True
 
     def _admit(self, request, num_computed_tokens: int) -> _Admission:
@@ -170,7 +178,7 @@ class SchedulerSide:
         the engine in the encoder later.
         """
         rid = request.request_id
-        adm = _Admission(rid, {}, floor=num_computed_tokens)
+        adm = _Admission(rid, {}, floor=num_computed_tokens, first_step=self._step)
         self._reqs[rid] = adm
         params = getattr(request, "ec_transfer_params", None)
         if params:
@@ -231,8 +239,12 @@ class SchedulerSide:
             if now - adm.t0 > self.opts.admission_timeout_s:
                 self._give_up(adm, h, it, f"not ready at its producer after {self.opts.admission_timeout_s:.1f}s")
             return
-        state = it.hold.states[h]
-        incarnation, it.hold = it.hold.incarnation, None
+        hold = it.hold
+        state = hold.states[h]
+        incarnation, it.hold = hold.incarnation, None
+        if len(hold.mm_hashes) == 1 or h == hold.mm_hashes[0]:  # one sample per Hold
+            self.metrics.phase("hold_rtt", hold.t_answered - hold.t_asked)
+            self.metrics.phase("hold_seen", now - hold.t_asked)
         if state.status == "ready":
             try:
                 P.validate_state_matches(state, it.remote.desc)

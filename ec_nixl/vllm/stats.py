@@ -13,13 +13,13 @@ from typing import Any, Optional
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
 
-from ec_nixl.metrics import COUNTERS
+from ec_nixl.metrics import COUNTERS, PHASES
 
 _LISTS = ("xfer_s", "post_s", "sizes", "wait_s")
 
 
 def empty_data() -> dict:
-    return {"counters": {}, "xfer_s": [], "post_s": [], "sizes": [], "wait_s": [], "link_modes": {},
+    return {"counters": {}, "xfer_s": [], "post_s": [], "sizes": [], "wait_s": [], "phases": {}, "link_modes": {},
             "failure_reasons": {}, "pool": {}}
 
 
@@ -37,6 +37,9 @@ def merge_data(a: Optional[dict], b: Optional[dict], cap: int = 8192) -> dict:
             room = cap - len(out[k])
             if room > 0:
                 out[k].extend(list(src.get(k) or [])[:room])
+        for k, v in (src.get("phases") or {}).items():
+            mine = out["phases"].setdefault(k, [])
+            mine.extend(list(v)[:max(0, cap - len(mine))])
         out["link_modes"].update(src.get("link_modes") or {})
         out["pool"].update(src.get("pool") or {})  # latest occupancy per rank
     return out
@@ -56,7 +59,8 @@ class NixlECConnectorStats(ECConnectorStats):
 
     def is_empty(self) -> bool:
         d = self.data
-        return not any(d["counters"].values()) and not any(d[k] for k in _LISTS) and not d["pool"]
+        return not any(d["counters"].values()) and not any(d[k] for k in _LISTS) and not d["pool"] and \
+            not any(d["phases"].values())
 
     def reduce(self) -> dict[str, int | float]:
         d = self.data
@@ -88,6 +92,11 @@ class NixlECConnectorStats(ECConnectorStats):
             out["throughput_gbps"] = round(total_bytes / total_s / 1e9, 3) if total_s > 0 else 0.0
         if d["wait_s"]:
             out["avg_barrier_ms"] = round(statistics.fmean(d["wait_s"]) * 1e3, 3)
+        if c.get("admitted"):
+            out["avg_admission_steps"] = round(c.get("admission_steps", 0) / c["admitted"], 2)
+        for k in PHASES:
+            if d["phases"].get(k):
+                out[f"p50_{k}_ms"] = round(statistics.median(d["phases"][k]) * 1e3, 3)
         return out
 
 
@@ -108,6 +117,8 @@ _PROM_COUNTERS = {
     "quarantined": "vllm:nixl_ec_num_quarantined",
     "reserve_waits": "vllm:nixl_ec_num_reserve_waits",
     "reserve_failures": "vllm:nixl_ec_num_reserve_failures",
+    "admitted": "vllm:nixl_ec_num_admitted",
+    "admission_steps": "vllm:nixl_ec_num_admission_steps",
 }
 
 
@@ -126,6 +137,10 @@ class NixlECPromMetrics(ECConnectorPromMetrics):
         self._wait = self._per_engine(H(name="vllm:nixl_ec_barrier_wait_seconds",
                                         documentation="load barrier wait per step", buckets=_BUCKETS_S,
                                         labelnames=labelnames))
+        phase = H(name="vllm:nixl_ec_phase_seconds", documentation="a request's control-path phases (admit, "
+                  "hold_rtt, hold_seen, publish)", buckets=_BUCKETS_S, labelnames=[*labelnames, "phase"])
+        self._phases = {idx: {k: phase.labels(*vals, k) for k in PHASES}
+                        for idx, vals in self.per_engine_labelvalues.items()}
         self._counters = {k: self._per_engine(C(name=n, documentation=f"EC {k.replace('_', ' ')}",
                                                 labelnames=labelnames)) for k, n in _PROM_COUNTERS.items()}
         self._pool = self._per_engine(G(name="vllm:nixl_ec_pool_used_bytes",
@@ -148,6 +163,10 @@ class NixlECPromMetrics(ECConnectorPromMetrics):
             self._bytes[engine_idx].observe(v)
         for v in d["wait_s"]:
             self._wait[engine_idx].observe(v)
+        for k, samples in d["phases"].items():
+            m = self._phases[engine_idx].get(k)
+            for v in samples if m is not None else ():
+                m.observe(v)
         for k, m in self._counters.items():
             n = d["counters"].get(k, 0)
             if n:

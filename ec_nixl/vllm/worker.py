@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Optional
 
 import torch
@@ -85,8 +86,10 @@ class WorkerSide:
         batch, self._to_publish = self._to_publish, []
         if not batch or self.endpoint is None:
             return
+        t0 = time.monotonic()
         try:
             self.endpoint.publish_many(batch)
+            self.endpoint.metrics.phase("publish", time.monotonic() - t0)
         except ECNixlError as e:
             # Consumers will get MISSING and re-encode (or fail) those requests; never crash here.
             logger.error("could not pin %d encoder output(s) for transfer: %s", len(batch), e)
