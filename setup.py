@@ -25,16 +25,22 @@ def native_extensions():
         print(f"ec-nixl: not building the native extension ({e})", file=sys.stderr)
         return [], {}
     sources = [src]
+    # Which torch the extension is built against, in the binary and beside it: ec_nixl.native uses
+    # it only under that same torch (a venv with another torch importing this checkout's build,
+    # e.g. scripts/test.sh's official-vLLM venvs, would otherwise run it against another ABI).
+    built_for = [("EC_NIXL_TORCH_VERSION", f'"{torch.__version__}"')]
+    with open(os.path.join(HERE, "ec_nixl", "_C.torch"), "w") as f:
+        f.write(torch.__version__ + "\n")
     cu = os.path.join("csrc", "pack.cu")
     # The CUDA build needs nvcc and a CUDA torch; a CPU torch gets the CPU-only extension (pack).
     use_cuda = CUDA_HOME is not None and torch.version.cuda is not None and \
         os.path.exists(os.path.join(HERE, cu)) and os.environ.get("EC_NIXL_NO_CUDA_EXT") != "1"
     if use_cuda:
-        ext = CUDAExtension("ec_nixl._C", sources + [cu], define_macros=[("EC_NIXL_WITH_CUDA", "1")],
+        ext = CUDAExtension("ec_nixl._C", sources + [cu], define_macros=[("EC_NIXL_WITH_CUDA", "1")] + built_for,
                             extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-gencode=arch=compute_90,code=sm_90",
                                                                           "-gencode=arch=compute_80,code=sm_80"]})
     else:
-        ext = CppExtension("ec_nixl._C", sources, extra_compile_args=["-O3"])
+        ext = CppExtension("ec_nixl._C", sources, define_macros=built_for, extra_compile_args=["-O3"])
     return [ext], {"build_ext": _Optional.wrap(BuildExtension)}
 
 

@@ -109,4 +109,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("WITH_CUDA") = false;
 #endif
+#ifdef EC_NIXL_TORCH_VERSION
+  m.attr("BUILT_FOR_TORCH") = EC_NIXL_TORCH_VERSION;  // ec_nixl.native refuses another torch
+#endif
 }

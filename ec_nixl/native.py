@@ -7,7 +7,8 @@
 A device-side load barrier was tried and dropped (bench/RESULTS.md); its probe lives outside
 the package, in ``bench/probes/``.
 
-Set ``EC_NIXL_NATIVE=0`` to ignore the extension. This module never initialises CUDA at import.
+Set ``EC_NIXL_NATIVE=0`` to ignore the extension; one built for another torch is ignored too
+(``WHY_PYTHON`` says why the fallbacks are used). This module never initialises CUDA at import.
 """
 
 from __future__ import annotations
@@ -17,13 +18,34 @@ from typing import Sequence
 
 import torch
 
-_C = None
-if os.environ.get("EC_NIXL_NATIVE", "1") != "0":
-    try:
-        from ec_nixl import _C  # type: ignore[no-redef]
-    except ImportError:  # not built (no compiler, no torch at build time): the fallbacks below
-        _C = None
 
+def _load():
+    """(the extension, '') or (None, why the Python fallbacks are used).
+
+    The extension is used only under the torch it was built against: a venv with another torch
+    that imports this checkout (scripts/test.sh's official-vLLM venvs, a guard run with their
+    Python) would run it against another ABI, undefined behaviour. setup.py writes the version
+    beside the binary (checked before loading it) and into it (checked after)."""
+    if os.environ.get("EC_NIXL_NATIVE", "1") == "0":
+        return None, "disabled (EC_NIXL_NATIVE=0)"
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_C.torch")) as f:
+            built_for = f.read().strip()
+    except OSError:
+        built_for = None
+    if built_for is not None and built_for != torch.__version__:
+        return None, f"ec_nixl._C was built for torch {built_for}, this is torch {torch.__version__} (rebuild it)"
+    try:
+        from ec_nixl import _C as ext  # type: ignore[attr-defined]
+    except ImportError as e:  # not built (no compiler, no torch at build time)
+        return None, f"ec_nixl._C not built ({e})"
+    got = getattr(ext, "BUILT_FOR_TORCH", None)
+    if got != torch.__version__:
+        return None, f"ec_nixl._C was built for torch {got or 'unknown'}, this is torch {torch.__version__} (rebuild it)"
+    return ext, ""
+
+
+_C, WHY_PYTHON = _load()
 IMPL = "native" if _C is not None else "python"
 NATIVE_WITH_CUDA = bool(_C is not None and getattr(_C, "WITH_CUDA", False))
 

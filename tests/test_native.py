@@ -131,6 +131,21 @@ def test_import_without_extension(how):
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
+@pytest.mark.skipif(native.pack_native is None, reason=f"ec_nixl._C not used here: {native.WHY_PYTHON}")
+def test_extension_built_for_another_torch_is_not_used():
+    """Under another torch than the one it was built against (a venv with another torch importing
+    this checkout), the extension is not used: the Python fallbacks are, and WHY_PYTHON says why."""
+    r = _run_py("""
+        import torch
+        torch.__version__ = "0.0.1+other"
+        from ec_nixl import native
+        assert native.IMPL == "python" and native.pack_native is None, native.IMPL
+        assert "was built for torch" in native.WHY_PYTHON and "0.0.1+other" in native.WHY_PYTHON, native.WHY_PYTHON
+        print("ok")
+    """, {})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
 # --------------------------------------------------------------------------------------------
 # GPU
 
