@@ -308,6 +308,29 @@ def test_two_readers_each_get_a_copy(make_producer, make_consumer, device):
 # request errors: clear errors within a bounded time, nothing leaked, others unaffected
 
 
+def test_first_hello_goes_out_when_the_connection_comes_up(make_peer, make_consumer, device, monkeypatch):
+    """A consumer that asks a producer before the connection is up (always, for the first query:
+    the TCP connect runs in ZMQ's background) has its Hello dropped (IMMEDIATE). It must go out
+    as soon as the connection is up, not at the next resend: that cost the first request to each
+    producer 0.2 s. Here resends are switched off, and the producer starts listening only after
+    the consumer asked: the Hold is answered all the same, through the connection's handshake."""
+    import socket
+
+    import ec_nixl.links as links
+    from peers import ProducerProcess
+
+    monkeypatch.setattr(links, "HELLO_RESEND_S", 1e6)  # fault injection: no resends
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cons = make_consumer(pool_bytes=0, threaded=True)
+    hold = cons.hold_async(f"127.0.0.1:{port}", ["late"], timeout=60)  # nobody listens yet
+    prod = make_peer(ProducerProcess, listen=f"127.0.0.1:{port}")
+    prod.call("publish", [("late", (8, 64), "float16", 1)])
+    assert cons.wait_for(lambda: hold.done, 30), "the Hello was never sent once the producer was up"
+    assert hold.states["late"].status == "ready", hold.states
+
+
 def test_unknown_peer_fails_fast(make_consumer, device):
     from ec_nixl import protocol as P
 
