@@ -417,6 +417,8 @@ class Links:
         gbps = (n * self.cfg.block_bytes) / (read_s if mode == "read" else write_s) / 1e9 \
             if self.cfg.mode == "auto" else float("nan")
         self.metrics.link_modes[link.name] = mode
+        if gbps == gbps:  # measured (not a forced mode): what the consumer's scheduler plans loads with
+            self.metrics.link_gbps[link.address] = gbps
         logger.info("ec-nixl link %s -> %s: mode=%s (probe %d KiB: READ %.1f us, WRITE %.1f us)",
                     link.name, self.cfg.name, mode, n * self.cfg.block_bytes >> 10, read_s * 1e6, write_s * 1e6)
         slow = 5.0 if self.transport.arena.mem_type == "VRAM" else 0.5

@@ -55,6 +55,7 @@ class Metrics:
         self._max = max_samples
         self._reset()
         self.link_modes: dict[str, str] = {}
+        self.link_gbps: dict[str, float] = {}  # producer address -> the link probe's GB/s
 
     def _reset(self) -> None:
         self.counters: Counter = Counter()
@@ -107,6 +108,7 @@ class Metrics:
                 "wait_s": list(self.wait_s),
                 "phases": {k: list(v) for k, v in self.phases.items()},
                 "link_modes": dict(self.link_modes),
+                "link_gbps": dict(self.link_gbps),
             }
             if reset:
                 self._reset()

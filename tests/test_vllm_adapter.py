@@ -256,12 +256,13 @@ def test_item_that_does_not_land_fails_its_request_not_the_engine(producer, cons
 
 
 def test_busy_engine_prefetches_a_held_item_and_gathers_it_a_step_later(producer, consumer_sides):
-    """Loads off the step's critical path: while other requests run, a request whose hold was
-    just granted is admitted one step later; that step's metadata carries the item as a
-    prefetch, so the step that gathers it finds it landed (bytes checked)."""
+    """Long loads off the step's critical path: while other requests run, a request whose hold
+    was just granted is admitted one step later (here every load counts as long:
+    ``prefetch_defer_s`` 0); that step's metadata carries the item as a prefetch, so the step
+    that gathers it finds it landed (bytes checked)."""
     import types
 
-    vc, sched, worker = consumer_sides()
+    vc, sched, worker = consumer_sides({"prefetch_defer_s": 0})
     producer.call("publish", [("pf", (ROWS, WIDTH), "bfloat16", 7)])
     busy = types.SimpleNamespace(total_num_scheduled_tokens=64)
     sched.build_connector_meta(busy)  # the previous step ran other requests
@@ -294,6 +295,47 @@ def test_busy_engine_prefetches_a_held_item_and_gathers_it_a_step_later(producer
     sched.update_state_after_free(req, 0)
     worker.start_load_caches(cache, sched.build_connector_meta(busy))
     assert worker.endpoint.pool.stats().used == 0
+
+
+def test_busy_engine_defers_admission_only_for_loads_it_measured_as_long(producer, consumer_sides):
+    """A busy engine keeps a request out of the step that starts its transfer only when that
+    transfer is expected to take ``prefetch_defer_s`` or more, from the bandwidth the workers'
+    link probe measured: unmeasured or fast, it is admitted in the same step (the gather's
+    barrier waits for the bytes, checked); measured slow, a step later."""
+    import types
+
+    from ec_nixl.vllm.metadata import NixlECWorkerMeta
+
+    vc, sched, worker = consumer_sides({"prefetch_defer_s": 0.002})
+    busy = types.SimpleNamespace(total_num_scheduled_tokens=64)
+    producer.call("publish", [("fast", (ROWS, WIDTH), "bfloat16", 8), ("slow", (ROWS, WIDTH), "bfloat16", 9)])
+    sched.build_connector_meta(busy)
+    fast = request("c-fast", [feature("fast")], params_for("fast", producer.address))
+    assert admit(sched, fast), "unmeasured (and tiny): admitted in the step that starts its load"
+    assert sched.metrics.snapshot()["counters"]["prefetch_defers"] == 0
+    sched.update_state_after_alloc(fast, 0)
+    meta = sched.build_connector_meta(busy)
+    assert [s.desc.mm_hash for s in meta.loads] == ["fast"] == [s.desc.mm_hash for s in meta.prefetch]
+    cache: dict = {}
+    worker.start_load_caches(cache, meta)
+    assert digest(cache["fast"]) == digest(make_item(8, (ROWS, WIDTH), "bfloat16"))
+    # The worker's link probe measured the link (its report reaches the scheduler): still fast.
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=worker.worker_meta()))
+    assert sched._link_gbps.get(producer.address, 0) > 0.01, sched._link_gbps
+    again = request("c-again", [feature("fast")], params_for("fast", producer.address))
+    assert admit(sched, again) and sched.metrics.snapshot()["counters"]["prefetch_defers"] == 0
+    # At 1 MB/s the next item's 2.3 KB would take 2.3 ms >= 2 ms: a step later.
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=NixlECWorkerMeta(
+        stats={"link_gbps": {producer.address: 0.001}})))
+    slow = request("c-slow", [feature("slow")], params_for("slow", producer.address))
+    deadline = time.monotonic() + 10
+    while not sched.has_cache_item("slow") and time.monotonic() < deadline:
+        assert sched.ensure_cache_available(slow, 0) is False
+        time.sleep(0.01)
+    assert sched.ensure_cache_available(slow, 0) is False, "a long load was admitted in its first step"
+    assert sched.metrics.snapshot()["counters"]["prefetch_defers"] == 1
+    sched.build_connector_meta(busy)
+    assert sched.ensure_cache_available(slow, 0) is True, "admitted the step after"
 
 
 def test_prefetched_item_of_an_aborted_request_is_given_back(producer, consumer_sides):

@@ -45,6 +45,12 @@ class NixlECOptions:
     (saves deferring a whole engine step when the producer answers fast)."""
     missing_grace_s: float = 2.0
     """A producer may not have (re)published an item yet: MISSING is retried this long."""
+    prefetch_defer_s: float = 0.002
+    """A busy engine admits a request one step after its items' transfer started (so that the step
+    does not wait for it) only when the transfer is expected to take at least this long: its
+    bytes over the producer link's bandwidth, as the link probe measured it at handshake.
+    Shorter (or not yet measured) transfers are admitted at once and waited for at the gather,
+    which costs that step less than a step costs the request. 0: always a step later."""
     fallback: str = "auto"
     """'auto': re-encode locally when the request carries its media, else fail it; 'fail'."""
     advertise_host: Optional[str] = None
@@ -57,7 +63,7 @@ class NixlECOptions:
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
             raise ConfigError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
-        for f in ("admission_timeout_s", "missing_grace_s"):
+        for f in ("admission_timeout_s", "missing_grace_s", "prefetch_defer_s"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"{f} must be >= 0")
         if self.admission_wait_s < 0 or self.admission_wait_s > 1:

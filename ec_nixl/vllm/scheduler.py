@@ -104,6 +104,7 @@ class SchedulerSide:
         self._loaded: set[str] = set()  # remote items handed to workers, not yet released
         self._with_step: collections.deque[NixlECMetadata] = collections.deque()
         self._resolver = None
+        self._link_gbps: dict[str, float] = {}  # producer address -> GB/s, from the workers' link probes
         self._media_fields: dict[str, set[str]] = {}
         self._width_warned = False
 
@@ -152,12 +153,11 @@ class SchedulerSide:
             self._send_holds(adm)
             self.metrics.count("admission_defers")
             return False
-        if self._busy and adm.deferred_step < 0 and \
-                any(s.desc.mm_hash in adm.items for s in self._prefetch):
-            # Loads off the step's critical path: while other requests run, admit this one a
-            # step later; the workers start its transfers with this step's metadata, so the step
-            # that gathers it only passes the barrier. (An idle engine admits at once: no batch
-            # to stall, and a step with no tokens would not run the worker hooks at all.)
+        if self._busy and adm.deferred_step < 0 and self._worth_a_step(adm):
+            # Long loads off the step's critical path: while other requests run, admit this one
+            # a step later; the workers start its transfers with this step's metadata, so the
+            # step that gathers it only passes the barrier. (An idle engine admits at once: no
+            # batch to stall, and a step with no tokens would not run the worker hooks at all.)
             adm.deferred_step = self._step
             self.metrics.count("prefetch_defers")
             return False
@@ -169,6 +169,29 @@ class SchedulerSide:
             self.metrics.count("admission_steps", self._step - adm.first_step)
             self.metrics.phase("admit", time.monotonic() - adm.t_first)
         return True
+
+    def _worth_a_step(self, adm: _Admission) -> bool:
+        """Whether the transfers this step's metadata starts for ``adm`` are long enough to keep
+        it out of this step (``prefetch_defer_s``): their bytes over each producer link's
+        bandwidth, as the workers' link probe measured it at handshake. An unmeasured link counts
+        as fast: on the links we run (loopback, NVLink, RDMA) an item lands in micro- to
+        milliseconds, while a deferred request waits a whole step of the batch (measured on the
+        2-core box, 2026-12-04: one step per request under load, ~5 ms of admission each).
+        (The load times themselves do not tell the link's speed: a prefetch's completion is
+        seen only at the worker's next poll.)"""
+        limit = self.opts.prefetch_defer_s
+        seconds, any_item = 0.0, False
+        for s in self._prefetch:
+            if s.desc.mm_hash in adm.items:
+                any_item = True
+                gbps = self._link_gbps.get(s.producer)
+                if gbps:
+                    seconds += s.desc.nbytes / (gbps * 1e9)
+        return any_item and (limit <= 0 or seconds >= limit)
+
+    def _learn_links(self, stats: dict) -> None:
+        """The workers' link probes (producer address -> GB/s), for ``_worth_a_step``."""
+        self._link_gbps.update(stats.get("link_gbps") or {})
 
     def _admit(self, request, num_computed_tokens: int) -> _Admission:
         """First sight of a request: validate its params once, decide what is remote or local.
@@ -366,6 +389,7 @@ class SchedulerSide:
             self.metrics.count("local_fallbacks")
             self.metrics.count("late_fallbacks")
         if m.stats:
+            self._learn_links(m.stats)
             self._worker_stats = merge_data(self._worker_stats, m.stats)
 
     def take_unavailable_requests(self) -> set[str]:

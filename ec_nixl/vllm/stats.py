@@ -19,7 +19,7 @@ _LISTS = ("xfer_s", "post_s", "sizes", "wait_s")
 
 
 def empty_data() -> dict:
-    return {"counters": {}, "xfer_s": [], "post_s": [], "sizes": [], "wait_s": [], "phases": {}, "link_modes": {},
+    return {"counters": {}, "xfer_s": [], "post_s": [], "sizes": [], "wait_s": [], "phases": {}, "link_modes": {}, "link_gbps": {},
             "failure_reasons": {}, "pool": {}}
 
 
@@ -41,6 +41,7 @@ def merge_data(a: Optional[dict], b: Optional[dict], cap: int = 8192) -> dict:
             mine = out["phases"].setdefault(k, [])
             mine.extend(list(v)[:max(0, cap - len(mine))])
         out["link_modes"].update(src.get("link_modes") or {})
+        out["link_gbps"].update(src.get("link_gbps") or {})
         out["pool"].update(src.get("pool") or {})  # latest occupancy per rank
     return out
 
