@@ -41,7 +41,8 @@ def _load():
         return None, f"ec_nixl._C not built ({e})"
     got = getattr(ext, "BUILT_FOR_TORCH", None)
     if got != torch.__version__:
-        return None, f"ec_nixl._C was built for torch {got or 'unknown'}, this is torch {torch.__version__} (rebuild it)"
+        return None, (f"ec_nixl._C was built for torch {got or 'unknown'}, this is torch {torch.__version__} "
+                      "(rebuild it)")
     return ext, ""
 
 

@@ -92,7 +92,7 @@ class Consumer:
         """Tell the producer now what we read: our endpoints are caller-driven and their barriers
         leave read-done messages to the next round (as vLLM's PD worker does), which may not come
         before the producer waits for those items to be freed (``Producer.settle``, ``drain``)."""
-        for ep in getattr(self, "eps", {}).values():
+        for ep in self.eps.values():
             ep.progress()
 
     def send(self, *msg) -> None:

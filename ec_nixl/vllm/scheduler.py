@@ -265,7 +265,7 @@ class SchedulerSide:
         hold = it.hold
         state = hold.states[h]
         incarnation, it.hold = hold.incarnation, None
-        if len(hold.mm_hashes) == 1 or h == hold.mm_hashes[0]:  # one sample per Hold
+        if h == hold.mm_hashes[0]:  # one sample per Hold
             self.metrics.phase("hold_rtt", hold.t_answered - hold.t_asked)
             self.metrics.phase("hold_seen", now - hold.t_asked)
         if state.status == "ready":

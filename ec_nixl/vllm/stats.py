@@ -19,8 +19,12 @@ _LISTS = ("xfer_s", "post_s", "sizes", "wait_s")
 
 
 def empty_data() -> dict:
-    return {"counters": {}, "xfer_s": [], "post_s": [], "sizes": [], "wait_s": [], "phases": {}, "link_modes": {}, "link_gbps": {},
-            "failure_reasons": {}, "pool": {}}
+    return {"counters": {}, "xfer_s": [], "post_s": [], "sizes": [], "wait_s": [], "phases": {}, "link_modes": {},
+            "link_gbps": {}, "failure_reasons": {}, "pool": {}}
+
+
+def _extend_capped(dst: list, src, cap: int) -> None:
+    dst.extend(list(src or [])[:max(0, cap - len(dst))])
 
 
 def merge_data(a: Optional[dict], b: Optional[dict], cap: int = 8192) -> dict:
@@ -34,12 +38,9 @@ def merge_data(a: Optional[dict], b: Optional[dict], cap: int = 8192) -> dict:
         for k, v in (src.get("failure_reasons") or {}).items():
             out["failure_reasons"][k] = out["failure_reasons"].get(k, 0) + int(v)
         for k in _LISTS:
-            room = cap - len(out[k])
-            if room > 0:
-                out[k].extend(list(src.get(k) or [])[:room])
+            _extend_capped(out[k], src.get(k), cap)
         for k, v in (src.get("phases") or {}).items():
-            mine = out["phases"].setdefault(k, [])
-            mine.extend(list(v)[:max(0, cap - len(mine))])
+            _extend_capped(out["phases"].setdefault(k, []), v, cap)
         out["link_modes"].update(src.get("link_modes") or {})
         out["link_gbps"].update(src.get("link_gbps") or {})
         out["pool"].update(src.get("pool") or {})  # latest occupancy per rank
