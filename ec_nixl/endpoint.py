@@ -72,7 +72,7 @@ class Endpoint:
                     arena.close()
                     raise
                 self.items = Published(cfg, self.pool, self.metrics, wait_for=self.loop.wait_for,
-                                       on_free=self.loop.changed)
+                                       on_free=self.loop.changed, on_publish=self._published_some)
             self.links = Links(cfg, self.me, self.loop, self.metrics, self.transport)
             if self.pool is not None:
                 self.loader = Loader(cfg, self.pool, self.transport, self.metrics, self.loop, self.links)
@@ -88,6 +88,14 @@ class Endpoint:
             raise
         if cfg.threaded:
             self.loop.start(on_owner=self.transport.bind_owner if self.transport else (lambda: None))
+
+    def _published_some(self) -> None:
+        """Answer the Holds waiting for items now (from the publishing thread: via the loop)."""
+        if self.server is not None and not self.loop.closed:
+            try:
+                self.loop.call(self.server.answer_parked)
+            except RuntimeError as e:  # the I/O thread died: the endpoint reports that elsewhere
+                logger.debug("waiting Holds not answered: %s", e)
 
     # --- identity --------------------------------------------------------------------
 
@@ -157,14 +165,15 @@ class Endpoint:
         self._need_loader().cancel(tickets, why)
 
     def hold_async(self, producer: str, mm_hashes: list[str], readers: int = 1,
-                   timeout: float = 2.0) -> HoldRequest:
-        """Ask ``producer`` to keep items and say where they are; answers arrive on the request."""
-        return self.links.hold_async(producer, mm_hashes, readers, timeout)
+                   timeout: float = 2.0, wait_s: float = 0.0) -> HoldRequest:
+        """Ask ``producer`` to keep items and say where they are; answers arrive on the request.
+        ``wait_s``: items not published yet may be waited for that long (``protocol.Hold``)."""
+        return self.links.hold_async(producer, mm_hashes, readers, timeout, wait_s)
 
     def hold(self, producer: str, mm_hashes: list[str], readers: int = 1,
-             timeout: float = 1.0) -> dict[str, P.ItemState]:
+             timeout: float = 1.0, wait_s: float = 0.0) -> dict[str, P.ItemState]:
         """Blocking ``hold_async``: one ItemState per hash."""
-        return self.links.hold(producer, mm_hashes, readers, timeout)
+        return self.links.hold(producer, mm_hashes, readers, timeout, wait_s)
 
     def query_stats(self, producer: str, timeout: float = 2.0) -> dict:
         """A producer's ``stats()`` (pool occupancy, counters), over an authenticated session."""

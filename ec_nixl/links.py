@@ -148,13 +148,17 @@ class Links:
     # --- queries (any thread) --------------------------------------------------------
 
     def hold_async(self, producer: str, mm_hashes: list[str], readers: int = 1,
-                   timeout: float = 2.0) -> HoldRequest:
+                   timeout: float = 2.0, wait_s: float = 0.0) -> HoldRequest:
         """Ask ``producer`` to keep items (extends their lease) and say where they are.
 
         Returns at once; ``HoldRequest.states`` fills in when the producer answers, or with
-        UNREACHABLE/TIMEOUT for every item when it cannot (never blocks the caller).
+        UNREACHABLE/TIMEOUT for every item when it cannot (never blocks the caller). With
+        ``wait_s`` the producer may keep the question that long for items not published yet;
+        the timeout runs on top of it.
         """
-        h = HoldRequest(producer, list(mm_hashes), readers, self.next_req(), time.monotonic() + timeout)
+        wait_s = min(max(0.0, wait_s), P.MAX_HOLD_WAIT_S) if wait_s == wait_s else 0.0
+        h = HoldRequest(producer, list(mm_hashes), readers, self.next_req(), time.monotonic() + timeout + wait_s,
+                        wait_s)
         try:
             split_address(producer)
         except ECNixlError as e:
@@ -164,10 +168,10 @@ class Links:
         return h
 
     def hold(self, producer: str, mm_hashes: list[str], readers: int = 1,
-             timeout: float = 1.0) -> dict[str, P.ItemState]:
+             timeout: float = 1.0, wait_s: float = 0.0) -> dict[str, P.ItemState]:
         """Blocking ``hold_async``: one ItemState per hash."""
-        h = self.hold_async(producer, mm_hashes, readers, timeout)
-        self.loop.wait_for(lambda: h.done, timeout + 0.05)
+        h = self.hold_async(producer, mm_hashes, readers, timeout, wait_s)
+        self.loop.wait_for(lambda: h.done, timeout + h.wait_s + 0.05)
         if not h.done:
             h.finish("TIMEOUT", f"no answer from {producer} in {timeout:.3f}s")
         return h.states

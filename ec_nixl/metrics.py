@@ -35,11 +35,14 @@ COUNTERS = (
     "reserve_failures",  # producer: publishes/reserves that failed for space (PoolExhausted)
     "admitted",  # consumer scheduler: requests with remote items admitted
     "admission_steps",  # consumer scheduler: engine steps those requests waited from first sight
+    "holds_parked",  # producer: Holds that waited for items not published yet (Hold.wait_s)
+    "expected_items",  # consumer scheduler: items asked for before their encoder finished (ec_nixl_expect)
 )
 
 PHASES = (
     "admit",  # consumer scheduler: a request's first sight -> admitted (remote items only)
     "hold_rtt",  # consumer scheduler: Hold sent -> its answer received
+    "expect_wait",  # consumer scheduler: Hold for items not yet encoded sent -> answered (they were published)
     "hold_seen",  # consumer scheduler: Hold sent -> its answer used by a scheduling step
     "publish",  # producer worker: a step's outputs pinned (flush_publish)
 )

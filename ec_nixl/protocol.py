@@ -127,12 +127,22 @@ class ItemState(msgspec.Struct, frozen=True):
 
 
 class Hold(msgspec.Struct, tag="hold"):
-    """Keep these items for me (lease) and tell me where they are; doubles as a heartbeat."""
+    """Keep these items for me (lease) and tell me where they are; doubles as a heartbeat.
+
+    ``wait_s`` > 0: items not published yet are expected (their encoder is still running): the
+    producer answers once all of them are ready, or after ``wait_s`` (capped at
+    ``MAX_HOLD_WAIT_S``) with what it has then. Producers that predate it ignore the field and
+    answer at once (MISSING), which the consumer retries."""
 
     session: str
     req: int
     mm_hashes: list[str]
     readers: int = 1
+    wait_s: float = 0.0
+
+
+MAX_HOLD_WAIT_S = 10.0
+"""Longest a producer keeps a waiting Hold unanswered, whatever the consumer asked."""
 
 
 class Get(msgspec.Struct, tag="get"):

@@ -102,11 +102,12 @@ class Published:
 
     def __init__(self, cfg: EndpointConfig, pool: Pool, metrics: Metrics,
                  wait_for: Optional[Callable[[Callable[[], bool], float], bool]] = None,
-                 on_free: Callable[[], None] = lambda: None):
+                 on_free: Callable[[], None] = lambda: None, on_publish: Callable[[], None] = lambda: None):
         """``wait_for(pred, timeout)`` blocks a publisher until ``pred()`` (the endpoint's: it drives
-        the owner loop when the caller is the owner); ``on_free()`` wakes such waiters."""
+        the owner loop when the caller is the owner); ``on_free()`` wakes such waiters;
+        ``on_publish()`` runs after each publish (waiting Holds are answered from it)."""
         self.cfg, self.pool, self.metrics = cfg, pool, metrics
-        self._wait_for, self._on_free = wait_for, on_free
+        self._wait_for, self._on_free, self._on_publish = wait_for, on_free, on_publish
         self._lock = threading.Lock()
         self._items: dict[str, Item] = {}
 
@@ -176,6 +177,8 @@ class Published:
             self._add(desc, slot, fence)
             self.metrics.count("staging_copies")
             self.metrics.count("staging_bytes", desc.nbytes)
+        if descs:
+            self._on_publish()
         return descs
 
     def reserve(self, nbytes: int, tag: str = "") -> Slot:
@@ -272,6 +275,7 @@ class Published:
             if mm_hash in self._items:
                 raise ProtocolError(f"item {mm_hash} is already published")
         self._add(desc, slot, ready)
+        self._on_publish()
         return desc
 
     def unpublish(self, mm_hash: str) -> bool:

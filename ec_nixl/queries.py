@@ -18,11 +18,13 @@ class HoldRequest:
     """An asynchronous Hold; ``states`` is None until answered (or failed/timed out)."""
 
     __slots__ = ("producer", "mm_hashes", "readers", "req", "deadline", "states", "incarnation", "t_asked",
-                 "t_answered")
+                 "t_answered", "wait_s")
     kind = "hold"
 
-    def __init__(self, producer: str, mm_hashes: list[str], readers: int, req: int, deadline: float):
+    def __init__(self, producer: str, mm_hashes: list[str], readers: int, req: int, deadline: float,
+                 wait_s: float = 0.0):
         self.producer, self.mm_hashes, self.readers, self.req = producer, mm_hashes, readers, req
+        self.wait_s = wait_s  # the producer may keep it this long for items not published yet
         self.deadline = deadline
         self.states: Optional[dict[str, P.ItemState]] = None
         self.incarnation = ""  # of the producer that answered (goes into ItemRef.incarnation)
@@ -46,7 +48,8 @@ class HoldRequest:
             self.states = {h: P.ItemState(mm_hash=h, status=status, detail=detail) for h in self.mm_hashes}
 
     def message(self, session: str):
-        return P.Hold(session=session, req=self.req, mm_hashes=self.mm_hashes, readers=self.readers)
+        return P.Hold(session=session, req=self.req, mm_hashes=self.mm_hashes, readers=self.readers,
+                      wait_s=self.wait_s)
 
     def resolve(self, msg, incarnation: str) -> None:
         self.incarnation = incarnation

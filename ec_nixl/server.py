@@ -9,6 +9,11 @@ them (we WRITE into its slots: see ``pusher``), ``Cancel`` pushes, read ``Stats`
 who may do what with them. One bad request is refused with its reason and never takes the
 server down.
 
+A Hold that may wait (``wait_s``: the consumer got the request before our encoder finished it)
+is parked while any of its items is missing or still being written, and answered the moment the
+last one is published and ready (a publish wakes the loop) or when its wait runs out: the
+consumer's READ starts as soon as the bytes exist, with no polling between.
+
 A consumer that goes away loses its sessions within a bounded time: ZMQ pings every connection
 from its own I/O thread (``handshake.keep_alive``) and drops one that answers nothing for
 ``link_timeout_s`` (a stopped or hung process; a killed one closes at once). A socket monitor
@@ -33,6 +38,7 @@ from ec_nixl import protocol as P
 from ec_nixl.config import EndpointConfig, split_address
 from ec_nixl.errors import ConfigError, ECNixlError, ProtocolError
 from ec_nixl.handshake import Identity, Session
+from ec_nixl.loop import TICK_S as P_TICK
 from ec_nixl.loop import OwnerLoop
 from ec_nixl.metrics import Metrics
 from ec_nixl.published import Published
@@ -42,6 +48,7 @@ from ec_nixl.transport import Transport
 logger = logging.getLogger("ec_nixl")
 
 _MAX_HELLO_NONCES = 1 << 16  # handshakes remembered against replay
+_MAX_PARKED = 4096  # waiting Holds kept at once; beyond that a Hold is answered at once
 _PROBES_S = (0.0, 0.02, 0.1, 0.5, 2.0)
 """When to probe a consumer after its connection dropped: ZMQ removes the route a little later."""
 
@@ -66,6 +73,7 @@ class Server:
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._fd_of: dict[bytes, int] = {}  # consumer identity -> connection its last request came on
         self._suspects: dict[bytes, list[float]] = {}  # identity -> when to probe it (connection dropped)
+        self._parked: list[tuple[float, bytes, str, P.Hold]] = []  # (deadline, identity, session, Hold)
         try:
             if port == 0:
                 port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -80,6 +88,7 @@ class Server:
         loop.add_socket(self._sock, self._serve_some)
         loop.add_socket(self._monitor, self._on_monitor)
         loop.every_tick(self._tick)
+        loop.idle_hint(lambda: P_TICK if self._parked else None)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -227,7 +236,32 @@ class Server:
         readers = max(1, min(int(msg.readers), 1024))
         items = self._table().grant(s.id, s.group, msg.mm_hashes, readers, getattr(msg, "reader", 0),
                                     pin=isinstance(msg, P.Get))
+        wait = float(getattr(msg, "wait_s", 0.0) or 0.0)
+        if wait > 0 and len(self._parked) < _MAX_PARKED and any(st.status != "ready" for st in items):
+            self._parked.append((time.monotonic() + min(wait, P.MAX_HOLD_WAIT_S), identity, s.id, msg))
+            self.metrics.count("holds_parked")
+            return
         self.reply(identity, P.Grant(req=msg.req, items=items))
+
+    def answer_parked(self, now: Optional[float] = None) -> None:
+        """Answer the waiting Holds whose items are all ready now, or whose wait ran out (on
+        every publish and every tick). A Hold whose session ended is dropped unanswered: its
+        consumer's link is gone with it."""
+        if not self._parked:
+            return
+        now = time.monotonic() if now is None else now
+        keep = []
+        for deadline, identity, sid, msg in self._parked:
+            s = self._sessions.get(sid)
+            if s is None or s.identity != identity:
+                continue
+            items = self._table().grant(s.id, s.group, msg.mm_hashes, max(1, min(int(msg.readers), 1024)), 0,
+                                        pin=False)
+            if now < deadline and any(st.status != "ready" for st in items):
+                keep.append((deadline, identity, sid, msg))
+                continue
+            self.reply(identity, P.Grant(req=msg.req, items=items))
+        self._parked = keep
 
     def _on_push(self, identity: bytes, s: Session, msg: P.Push) -> None:
         if s.peer is None or self.pusher is None:
@@ -267,7 +301,9 @@ class Server:
         self._tick(now)
 
     def _tick(self, now: float) -> None:
-        """Probe the consumers whose connection dropped; reclaim the sessions of those gone."""
+        """Probe the consumers whose connection dropped; reclaim the sessions of those gone;
+        answer waiting Holds whose items became ready behind a fence or whose wait ran out."""
+        self.answer_parked(now)
         for ident, when in list(self._suspects.items()):
             if when[0] > now:
                 continue

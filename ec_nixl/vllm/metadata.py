@@ -24,6 +24,9 @@ from ec_nixl.errors import ECNixlError
 
 PARAMS_KEY = "ec_nixl"
 PARAMS_VERSION = 1
+EXPECT_KEY = "ec_nixl_expect"
+"""Top-level key of a request sent before its encoder finished: ``{"v": 1, "producer": "host:port"}``
+(every multimodal item of the request will be published there, under its own identifier)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,28 @@ def build_params(items: dict[str, P.ItemDesc], producer: str, base: Optional[dic
                              "dtype": d.dtype, "nbytes": d.nbytes}
         out[h] = entry
     return out
+
+
+def build_expect(producer: str) -> dict:
+    """``ec_transfer_params`` for a request whose encoder is still running at ``producer``."""
+    return {EXPECT_KEY: {"v": PARAMS_VERSION, "producer": producer}}
+
+
+def parse_expect(params: Any) -> tuple[Optional[str], str]:
+    """The producer an ``ec_nixl_expect`` entry names (None when there is none), or why it is bad."""
+    if not isinstance(params, dict) or EXPECT_KEY not in params:
+        return None, ""
+    c = params[EXPECT_KEY]
+    try:
+        if not isinstance(c, dict) or c.get("v") != PARAMS_VERSION:
+            raise ECNixlError(f"{EXPECT_KEY} must be an object with v={PARAMS_VERSION}")
+        producer = c.get("producer")
+        if not isinstance(producer, str):
+            raise ECNixlError(f"{EXPECT_KEY}.producer (str) is required")
+        split_address(producer)
+        return producer, ""
+    except ECNixlError as e:
+        return None, f"bad {EXPECT_KEY}: {e}"
 
 
 def parse_params(params: Any, expected: dict[str, int], dtype: str) -> tuple[dict[str, RemoteItem], dict[str, str]]:

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ec_nixl import protocol as P
 from ec_nixl.config import EndpointConfig, parse_options
 from ec_nixl.errors import ConfigError
 
@@ -45,6 +46,11 @@ class NixlECOptions:
     (saves deferring a whole engine step when the producer answers fast)."""
     missing_grace_s: float = 2.0
     """A producer may not have (re)published an item yet: MISSING is retried this long."""
+    expect_wait_s: float = 5.0
+    """Longest the producer is asked to wait for items of a request that reached us before its
+    encoder finished (``ec_nixl_expect`` in its params: the proxy's overlapped flow). Then they
+    are encoded here (or the request fails when it carries no media). The proxy cancels and
+    resends a request whose encoder failed, so this bounds only an encoder that is lost silently."""
     prefetch_defer_s: float = 0.002
     """A busy engine admits a request one step after its items' transfer started (so that the step
     does not wait for it) only when the transfer is expected to take at least this long: its
@@ -66,6 +72,8 @@ class NixlECOptions:
         for f in ("admission_timeout_s", "missing_grace_s", "prefetch_defer_s"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"{f} must be >= 0")
+        if not 0 <= self.expect_wait_s <= P.MAX_HOLD_WAIT_S:
+            raise ConfigError(f"expect_wait_s must be within 0..{P.MAX_HOLD_WAIT_S:g} s (what a producer waits at most)")
         if self.admission_wait_s < 0 or self.admission_wait_s > 1:
             raise ConfigError("admission_wait_s must be within 0..1 s (it blocks the scheduler)")
 

@@ -14,6 +14,10 @@ request carries the media (counted as a late fallback), else its request fails t
 The holds go through this process's
 own control-only endpoint, not through worker hooks, which vLLM skips on steps with no tokens.
 
+A request may arrive before its encoder has finished (``ec_nixl_expect``: the proxy sent it to
+both at once): its items are then expected at the named producer, and their Hold waits there
+until they are published, so the request's own preprocessing overlapped the encoder's work.
+
 Producer: ``request_finished`` announces each encoded item (shape, dtype, bytes, producer
 address) in ``ec_transfer_params`` and returns False (delay-free would leak the request).
 """
@@ -30,7 +34,8 @@ from ec_nixl import protocol as P
 from ec_nixl.endpoint import Endpoint
 from ec_nixl.queries import HoldRequest
 from ec_nixl.metrics import Metrics
-from ec_nixl.vllm.metadata import LoadSpec, NixlECMetadata, NixlECWorkerMeta, RemoteItem, build_params, parse_params
+from ec_nixl.vllm.metadata import (LoadSpec, NixlECMetadata, NixlECWorkerMeta, RemoteItem, build_params,
+                                   parse_expect, parse_params)
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
 from ec_nixl.vllm.stats import NixlECConnectorStats, merge_data
 
@@ -55,6 +60,7 @@ class _Item:
     hold: Optional[HoldRequest] = None
     next_try: float = 0.0
     detail: str = ""
+    expected: bool = False  # asked for before its encoder finished (ec_nixl_expect): Holds wait
 
 
 @dataclass
@@ -65,6 +71,7 @@ class _Admission:
     """Features whose placeholder ends at or below this many computed tokens are not decided yet
     (the request had them computed when first seen)."""
     remote: dict[str, RemoteItem] = field(default_factory=dict)  # every valid item of its params
+    expected: set[str] = field(default_factory=set)  # of remote: items its encoder had not finished
     errors: dict[str, str] = field(default_factory=dict)  # per-item problems with its params
     t0: float = field(default_factory=time.monotonic)
     failed: str = ""
@@ -118,7 +125,8 @@ class SchedulerSide:
             adm = self._admit(request, num_computed_tokens)
             self._send_holds(adm)
             holds = [it.hold for it in adm.items.values() if it.hold is not None]
-            if holds and self.opts.admission_wait_s > 0:
+            # An expected item is answered when its encoder is done, not within this wait.
+            if holds and self.opts.admission_wait_s > 0 and not adm.expected:
                 self.endpoint.wait_for(lambda: all(h.done for h in holds), self.opts.admission_wait_s)
         elif num_computed_tokens < adm.floor and not adm.failed:
             # vLLM >= 0.33 asks with the computed tokens minus the prefix-replay tail
@@ -207,6 +215,7 @@ class SchedulerSide:
         if params:
             expected = {f.identifier: f.mm_position.get_num_embeds() for f in request.mm_features}
             adm.remote, adm.errors = parse_params(params, expected, self.dtype)
+            self._expect(adm, request, params, num_computed_tokens)
         by_id = {f.identifier: f for f in request.mm_features if _end(f) > num_computed_tokens}
         for h, why in adm.errors.items():
             f = by_id.get(h)
@@ -219,6 +228,33 @@ class SchedulerSide:
         self._decide(adm, request, num_computed_tokens)
         return adm
 
+    def _expect(self, adm: _Admission, request, params, num_computed_tokens: int) -> None:
+        """``ec_nixl_expect``: the request reached us while its encoder still runs at the named
+        producer. Each of its items not announced otherwise is expected there under its own
+        identifier, with the shape this model gives it (rows from the placeholder, width and
+        dtype as a producer of this model publishes them); the producer's answer is checked
+        against that like any announcement."""
+        producer, why = parse_expect(params)
+        if why:
+            adm.errors.setdefault("*", why)
+            return
+        if producer is None:
+            return
+        for f in request.mm_features:
+            h = f.identifier
+            if h in adm.remote or h in adm.errors or _end(f) <= num_computed_tokens:
+                continue
+            width = self._width(f.modality)
+            if width is None:
+                continue
+            rows = f.mm_position.get_num_embeds()
+            desc = P.ItemDesc(mm_hash=h, shape=[rows, width], dtype=self.dtype,
+                              nbytes=rows * width * P.DTYPE_SIZES[self.dtype])
+            adm.remote[h] = RemoteItem(desc, producer)
+            adm.expected.add(h)
+        if adm.expected:
+            self.metrics.count("expected_items", len(adm.expected))
+
     def _decide(self, adm: _Admission, request, lo: int, hi: Optional[int] = None) -> None:
         """Decide the features whose placeholder ends in (lo, hi]: remote, local or failed."""
         rid, added = adm.req_id, False
@@ -230,7 +266,7 @@ class SchedulerSide:
             remote = adm.remote.get(h)
             if remote is not None:
                 if h not in adm.items:
-                    adm.items[h] = _Item(remote, self._has_media(f), end)
+                    adm.items[h] = _Item(remote, self._has_media(f), end, expected=h in adm.expected)
                     self._users.setdefault(h, set()).add(rid)
                     added = True
             elif not self._has_media(f):
@@ -247,13 +283,16 @@ class SchedulerSide:
     def _send_holds(self, adm: _Admission) -> None:
         """One Hold per producer for the items still waiting (and not already asked)."""
         now = time.monotonic()
-        by_producer: dict[str, list[str]] = {}
+        by_producer: dict[tuple[str, bool], list[str]] = {}
         for h, it in adm.items.items():
             if it.status == "holding" and it.hold is None and now >= it.next_try:
-                by_producer.setdefault(it.remote.producer, []).append(h)
-        for producer, hashes in by_producer.items():
+                by_producer.setdefault((it.remote.producer, it.expected), []).append(h)
+        for (producer, expected), hashes in by_producer.items():
+            # Expected items: the producer answers when they are published (or at the end of
+            # the wait), so their READ starts the moment the bytes exist, with no polling.
+            wait = max(0.0, self.opts.expect_wait_s - (now - adm.t0)) if expected else 0.0
             hr = self.endpoint.hold_async(producer, hashes, self.place.readers,
-                                          timeout=max(1.0, self.opts.endpoint.peer_timeout_s))
+                                          timeout=max(1.0, self.opts.endpoint.peer_timeout_s), wait_s=wait)
             for h in hashes:
                 adm.items[h].hold = hr
 
@@ -266,7 +305,7 @@ class SchedulerSide:
         state = hold.states[h]
         incarnation, it.hold = hold.incarnation, None
         if h == hold.mm_hashes[0]:  # one sample per Hold
-            self.metrics.phase("hold_rtt", hold.t_answered - hold.t_asked)
+            self.metrics.phase("expect_wait" if it.expected else "hold_rtt", hold.t_answered - hold.t_asked)
             self.metrics.phase("hold_seen", now - hold.t_asked)
         if state.status == "ready":
             try:
@@ -281,8 +320,8 @@ class SchedulerSide:
                 self._prefetch.append(LoadSpec(adm.req_id, spec.desc, spec.producer, spec.block,
                                                spec.valid_until, spec.incarnation))
             return
-        retry = state.status in _RETRY or (state.status == P.Nack.MISSING.value
-                                           and now - adm.t0 < self.opts.missing_grace_s)
+        grace = self.opts.expect_wait_s if it.expected else self.opts.missing_grace_s
+        retry = state.status in _RETRY or (state.status == P.Nack.MISSING.value and now - adm.t0 < grace)
         if retry and now - adm.t0 < self.opts.admission_timeout_s:
             it.next_try = now + min(0.05, 0.002 * (1 + now - adm.t0) * 10)
             it.detail = f"{state.status}: {state.detail}"

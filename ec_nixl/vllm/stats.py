@@ -121,6 +121,7 @@ _PROM_COUNTERS = {
     "reserve_failures": "vllm:nixl_ec_num_reserve_failures",
     "admitted": "vllm:nixl_ec_num_admitted",
     "admission_steps": "vllm:nixl_ec_num_admission_steps",
+    "expected_items": "vllm:nixl_ec_num_expected_items",
 }
 
 

@@ -87,6 +87,7 @@ TRANSFERS = "vllm:nixl_ec_num_transfers_total"
 POOL_USED = "vllm:nixl_ec_pool_used_bytes"
 
 DRAIN_TIMEOUT_S = 10.0
+EXPECT_WAIT_S = 6.0  # the PD's expect_wait_s here (default 5 s): room for a slow encoder on 2 cores
 
 @dataclass
 class Nixl:
@@ -139,7 +140,7 @@ def nixl(baseline: Baseline, tiny_model: str, tmp_path_factory: pytest.TempPathF
                        # on the same core (the defaults, 5 s, detect dead peers on a normal host;
                        # tests/test_faults_peer_death.py checks them).
                        extra_config={"nixl_progress_thread": "false", "peer_timeout_s": "30",
-                                     "load_timeout_s": "30"})
+                                     "load_timeout_s": "30", "expect_wait_s": str(EXPECT_WAIT_S)})
     with Cluster(cfg) as cluster:
         cluster.start()
         # The faulty producer: 4th instance of the plan (ec_port = ec_base_port + 3 * stride).
@@ -351,6 +352,61 @@ def test_request_after_idle_period(nixl: Nixl, baseline: Baseline) -> None:
     d = counters_after(nixl, before, 1)
     assert got == expected, f"E->PD tokens differ from colocated {nixl.logs()}"
     assert d[LANDED] == 1 and d[FALLBACKS] == 0, f"PD counter deltas {d} {nixl.logs()}"
+
+
+def _post_async(url: str, body: dict[str, Any]) -> Callable[[], requests.Response]:
+    """POST in a thread; returns a function that waits for the answer."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    fut = pool.submit(requests.post, url + "/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+    pool.shutdown(wait=False)
+    return lambda: fut.result(timeout=REQUEST_TIMEOUT_S + 5)
+
+
+def test_request_that_reaches_pd_before_its_encoder_ran(nixl: Nixl, baseline: Baseline) -> None:
+    """The overlapped flow, ordered by hand: the PD gets the request first (``ec_nixl_expect``
+    names encoder0), its Holds are seen parked at encoder0, and only then does encoder0 get the
+    request. The PD must wait for the items, load them (no re-encode) and answer the baseline."""
+    from ec_nixl.vllm.metadata import build_expect
+
+    body = chat_body(nixl.model, [(88, 72), (64, 96)], "nixl-expect-ordered")
+    expected = baseline.token_ids(body)
+    before = nixl.metrics()
+    parked0 = nixl.producer_stats(nixl.encoders[0])["counters"].get("holds_parked", 0)
+    answer = _post_async(nixl.pd.url, dict(body, ec_transfer_params=build_expect(nixl.ec_addr(nixl.encoders[0]))))
+    assert wait_until(lambda: nixl.producer_stats(nixl.encoders[0])["counters"].get("holds_parked", 0) > parked0,
+                      60.0), f"the PD's Hold never waited at encoder0 {nixl.logs()}"
+    r = requests.post(nixl.encoders[0].url + "/v1/chat/completions", json=encoder_body(body),
+                      timeout=REQUEST_TIMEOUT_S)
+    assert r.status_code == 200, r.text[:500]
+    pd = answer()
+    assert pd.status_code == 200, f"HTTP {pd.status_code}: {pd.text[:500]} {nixl.logs()}"
+    assert pd.json()["choices"][0]["token_ids"] == expected, f"tokens differ from colocated {nixl.logs()}"
+    d = counters_after(nixl, before, 2)
+    assert d[LANDED] == 2 and d[FALLBACKS] == 0 and d[FAILED_LOADS] == 0, f"PD counter deltas {d} {nixl.logs()}"
+    assert_producer_drained(nixl, nixl.encoders[0])
+    assert_consumer_drained(nixl)
+
+
+def test_expected_item_that_is_never_encoded_is_encoded_locally(nixl: Nixl, baseline: Baseline) -> None:
+    """``ec_nixl_expect`` names a producer that never gets the request (its encoder call was lost):
+    the PD waits ``expect_wait_s``, then encodes the image itself; the answer is the baseline's."""
+    from ec_nixl.vllm.metadata import build_expect
+
+    body = chat_body(nixl.model, [(76, 92)], "nixl-expect-lost")
+    expected = baseline.token_ids(body)
+    before = nixl.metrics()
+    t0 = time.monotonic()
+    r = requests.post(nixl.pd.url + "/v1/chat/completions", timeout=REQUEST_TIMEOUT_S,
+                      json=dict(body, ec_transfer_params=build_expect(nixl.ec_addr(nixl.encoders[1]))))
+    took = time.monotonic() - t0
+    assert r.status_code == 200, f"HTTP {r.status_code}: {r.text[:500]} {nixl.logs()}"
+    assert r.json()["choices"][0]["token_ids"] == expected, f"local re-encode differs from colocated {nixl.logs()}"
+    assert EXPECT_WAIT_S * 0.9 <= took < EXPECT_WAIT_S + 20, f"answered after {took:.1f}s {nixl.logs()}"
+    time.sleep(0.5)
+    d = counters_after(nixl, before, 0)
+    assert d[LANDED] == 0 and d[FALLBACKS] == 1, f"PD counter deltas {d} {nixl.logs()}"
 
 
 def _shape(c: dict[str, Any]) -> None:
