@@ -21,13 +21,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, 
 from ec_nixl import protocol as P
 from ec_nixl.config import split_address
 from ec_nixl.errors import ECNixlError
-
-PARAMS_KEY = "ec_nixl"
-PARAMS_VERSION = 1
-EXPECT_KEY = "ec_nixl_expect"
-"""Top-level key of a request sent before its encoder finished: ``{"v": 1, "producer": "host:port"}``
-(every multimodal item of the request will be published there, under its own identifier)."""
-
+from ec_nixl.params import PARAMS_KEY, PARAMS_VERSION
 
 @dataclass(frozen=True)
 class RemoteItem:
@@ -89,28 +83,6 @@ def build_params(items: dict[str, P.ItemDesc], producer: str, base: Optional[dic
                              "dtype": d.dtype, "nbytes": d.nbytes}
         out[h] = entry
     return out
-
-
-def build_expect(producer: str) -> dict:
-    """``ec_transfer_params`` for a request whose encoder is still running at ``producer``."""
-    return {EXPECT_KEY: {"v": PARAMS_VERSION, "producer": producer}}
-
-
-def parse_expect(params: Any) -> tuple[Optional[str], str]:
-    """The producer an ``ec_nixl_expect`` entry names (None when there is none), or why it is bad."""
-    if not isinstance(params, dict) or EXPECT_KEY not in params:
-        return None, ""
-    c = params[EXPECT_KEY]
-    try:
-        if not isinstance(c, dict) or c.get("v") != PARAMS_VERSION:
-            raise ECNixlError(f"{EXPECT_KEY} must be an object with v={PARAMS_VERSION}")
-        producer = c.get("producer")
-        if not isinstance(producer, str):
-            raise ECNixlError(f"{EXPECT_KEY}.producer (str) is required")
-        split_address(producer)
-        return producer, ""
-    except ECNixlError as e:
-        return None, f"bad {EXPECT_KEY}: {e}"
 
 
 def parse_params(params: Any, expected: dict[str, int], dtype: str) -> tuple[dict[str, RemoteItem], dict[str, str]]:

@@ -34,8 +34,9 @@ from ec_nixl import protocol as P
 from ec_nixl.endpoint import Endpoint
 from ec_nixl.queries import HoldRequest
 from ec_nixl.metrics import Metrics
+from ec_nixl.params import parse_expect
 from ec_nixl.vllm.metadata import (LoadSpec, NixlECMetadata, NixlECWorkerMeta, RemoteItem, build_params,
-                                   parse_expect, parse_params)
+                                   parse_params)
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
 from ec_nixl.vllm.stats import NixlECConnectorStats, merge_data
 

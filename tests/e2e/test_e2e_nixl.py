@@ -368,7 +368,7 @@ def test_request_that_reaches_pd_before_its_encoder_ran(nixl: Nixl, baseline: Ba
     """The overlapped flow, ordered by hand: the PD gets the request first (``ec_nixl_expect``
     names encoder0), its Holds are seen parked at encoder0, and only then does encoder0 get the
     request. The PD must wait for the items, load them (no re-encode) and answer the baseline."""
-    from ec_nixl.vllm.metadata import build_expect
+    from ec_nixl.params import build_expect
 
     body = chat_body(nixl.model, [(88, 72), (64, 96)], "nixl-expect-ordered")
     expected = baseline.token_ids(body)
@@ -392,7 +392,7 @@ def test_request_that_reaches_pd_before_its_encoder_ran(nixl: Nixl, baseline: Ba
 def test_expected_item_that_is_never_encoded_is_encoded_locally(nixl: Nixl, baseline: Baseline) -> None:
     """``ec_nixl_expect`` names a producer that never gets the request (its encoder call was lost):
     the PD waits ``expect_wait_s``, then encodes the image itself; the answer is the baseline's."""
-    from ec_nixl.vllm.metadata import build_expect
+    from ec_nixl.params import build_expect
 
     body = chat_body(nixl.model, [(76, 92)], "nixl-expect-lost")
     expected = baseline.token_ids(body)
