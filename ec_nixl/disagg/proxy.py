@@ -24,6 +24,39 @@ errors. The answer then carries the header ``X-EC-Fallback`` naming the encoder 
 4xx from the encoder (a bad request) is still answered as is.
 
     python -m ec_nixl.disagg.proxy --encoders http://127.0.0.1:8100 --pd http://127.0.0.1:8200 --port 8000
+
+``--flow overlap`` (what ``ec-nixl serve-disagg`` runs for NixlECConnector) sends the PD its request
+at the same time as the encoder, instead of after the encoder's answer: the PD's own preprocessing
+(image decoding, the processor, tokenization) and its scheduling overlap the encoder's work, and
+its transfer starts the moment the encoder publishes, before the encoder has even answered. The
+PD's ``ec_transfer_params`` then only name the producer the items will be at
+(``{"ec_nixl_expect": {"v": 1, "producer": "host:port"}}``); its connector waits there for each
+item of the request (``expect_wait_s``, 5 s by default). The proxy learns each encoder's producer
+address from that encoder's first answer, so the first request to an encoder goes E then PD. An
+encoder that fails before the PD has answered anything makes the proxy cancel the PD's request
+and resend it without ``ec_transfer_params`` (the PD encodes the media itself, as above; a 4xx is
+answered as is); one that fails later costs at most ``expect_wait_s`` before the PD encodes.
+
+``--flow mooncake`` serves vLLM's in-tree ``ECMooncakeConnector`` instead, whose encoder *pushes*
+into a consumer it must be told about up front, so the flow above (E answers first, then its answer
+tells the PD where to pull from) cannot work for it: the encoder would never push and every PD
+request would wait out the consumer's ``push_wait_timeout_s``. For each request with media the proxy
+
+1. picks the PD first (round-robin), and one fresh ``transfer_id`` per media part of the body;
+2. sends the encoder the 1-token copy with ``ec_transfer_params = {"consumer_zmq": <that PD's
+   consumer control address>, "ec_items": [{"transfer_id": t}, ...]}`` (one entry per media item,
+   in prompt order): the encoder reserves room on that PD and writes its outputs there;
+3. once the encoder answered, sends the PD the original body with ``ec_transfer_params =
+   {"ec_items": [{"transfer_id": t, "mm_hash": h}, ...]}``, the same ids in the same order, with
+   ``mm_hash`` taken from the encoder's answer (its ``item_indices`` say which position each hash
+   is) so the PD matches items by the engine's own hash, not only by position.
+
+The PD may get its request before or after the push lands (it waits, or finds the item ready), so
+the encoder's answer is awaited only to fail fast. There is no encoder fallback in this flow: a
+Mooncake consumer never encodes by itself, it would only wait for a push that is not coming.
+
+    python -m ec_nixl.disagg.proxy --flow mooncake --encoders http://127.0.0.1:8100 \
+        --pd http://127.0.0.1:8200 --pd-ec-addresses tcp://127.0.0.1:15608 --port 8000
 """
 
 from __future__ import annotations
@@ -35,17 +68,21 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import aiohttp
 from aiohttp import web
+
+from ec_nixl.params import announced_producer, build_expect
 
 log = logging.getLogger("ec_nixl.proxy")
 
 # Headers worth passing to the backends (auth, tracing); hop-by-hop ones must not be.
 FORWARD_HEADERS = ("Authorization", "X-Request-Id")
 TEXT_PART_TYPES = ("text", "input_text")
+FLOWS = ("pull", "overlap", "mooncake")
 
 
 @dataclass
@@ -62,13 +99,45 @@ class ProxyConfig:
     health_timeout_s: float = 5.0
     encoder_fallback: bool = True
     """Send the request to the PD without ``ec_transfer_params`` when the encoder stage fails (not
-    for a 4xx): the PD encodes the media itself."""
+    for a 4xx): the PD encodes the media itself. Flow "pull" only (a Mooncake PD cannot)."""
+    flow: str = "pull"
+    """"pull": the encoder answers first and its ``ec_transfer_params`` go to the PD as is (the PD
+    pulls). "overlap" (NixlECConnector): the PD gets the request at the same time as the encoder
+    (see the module docstring). "mooncake": vLLM's ECMooncakeConnector, whose encoder pushes to
+    the PD named in its own request (see the module docstring)."""
+    pd_ec_addresses: list[str] = field(default_factory=list)
+    """Flow "mooncake" only: each PD's consumer control address, in the order of ``pd``: its
+    ``tcp://ec_ip:ec_port`` (the first TP rank's port; one DP replica per PD URL). ``host:port``
+    is taken as ``tcp://host:port``."""
 
     def __post_init__(self) -> None:
         if not self.encoders or not self.pd:
             raise ValueError("need at least one encoder URL and one PD URL")
         self.encoders = [u.rstrip("/") for u in self.encoders]
         self.pd = [u.rstrip("/") for u in self.pd]
+        if self.flow not in FLOWS:
+            raise ValueError(f"unknown flow {self.flow!r}; choose one of {', '.join(FLOWS)}")
+        if self.flow != "mooncake":
+            if self.pd_ec_addresses:
+                raise ValueError("pd_ec_addresses is only used by flow 'mooncake'")
+            return
+        # The encoder is told where to push before anything else happens; a PD without an
+        # address could only be sent requests that wait out their push timeout.
+        if len(self.pd_ec_addresses) != len(self.pd):
+            raise ValueError(f"flow 'mooncake' needs one consumer address per PD: got "
+                             f"{len(self.pd_ec_addresses)} for {len(self.pd)} PD URLs {self.pd}")
+        self.pd_ec_addresses = [_zmq_address(a) for a in self.pd_ec_addresses]
+        seen: dict[str, str] = {}
+        for url, addr in zip(self.pd, self.pd_ec_addresses):
+            if seen.setdefault(url, addr) != addr:
+                raise ValueError(f"PD {url} is listed twice with different consumer addresses")
+
+
+def _zmq_address(addr: str) -> str:
+    addr = addr.strip()
+    if not addr or addr.endswith(":") or ":" not in addr:
+        raise ValueError(f"consumer address {addr!r} is not host:port or tcp://host:port")
+    return addr if "://" in addr else "tcp://" + addr
 
 
 class BackendError(Exception):
@@ -107,6 +176,51 @@ def encoder_body(body: dict[str, Any]) -> dict[str, Any]:
     return e
 
 
+def media_items(body: dict[str, Any]) -> int:
+    """How many multimodal items the engine will see: the non-text content parts of a chat body, in
+    prompt order (each image, video or audio part is one item). 0 for a body without ``messages``,
+    whose media (if any) the proxy cannot see; those items are then matched by content hash only."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return 0
+    n = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            n += sum(1 for p in content if not (isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES))
+    return n
+
+
+def mooncake_encoder_body(body: dict[str, Any], consumer_zmq: str, transfer_ids: list[str]) -> dict[str, Any]:
+    """The encoder's copy for flow "mooncake": the 1-token copy, plus where to push (the chosen PD's
+    consumer control address) and under which id each item goes (position i <-> ``mm_features[i]``
+    on the encoder, which reads ``ec_items`` by position when they carry no ``mm_hash``)."""
+    e = encoder_body(body)
+    e["ec_transfer_params"] = {"consumer_zmq": consumer_zmq,
+                               "ec_items": [{"transfer_id": t} for t in transfer_ids]}
+    return e
+
+
+def mooncake_pd_body(body: dict[str, Any], transfer_ids: list[str], encoder_params: Any) -> dict[str, Any]:
+    """The PD's body for flow "mooncake": the original body plus the ids the encoder pushed under.
+
+    ``encoder_params`` is the encoder's answer's ``ec_transfer_params``: ``{mm_hash: {"item_indices":
+    [...], "transfer_id": ..., ...}}``. Each position it names gets that ``mm_hash``, so the PD
+    matches the item by the engine-reported hash (a hash the proxy computed itself could differ:
+    the engine folds processor kwargs into it); positions it does not name are matched by position.
+    """
+    hashes: dict[int, str] = {}
+    if isinstance(encoder_params, dict):
+        for mm_hash, entry in encoder_params.items():
+            indices = entry.get("item_indices") if isinstance(entry, dict) else None
+            for i in indices if isinstance(indices, list) else []:
+                if isinstance(i, int) and 0 <= i < len(transfer_ids):
+                    hashes[i] = mm_hash
+    items = [dict(transfer_id=t, **({"mm_hash": hashes[i]} if i in hashes else {}))
+             for i, t in enumerate(transfer_ids)]
+    return dict(body, ec_transfer_params={"ec_items": items})
+
+
 def _error_status(backend_status: int) -> int:
     return backend_status if 400 <= backend_status < 500 else 502
 
@@ -117,6 +231,8 @@ class Proxy:
     def __init__(self, cfg: ProxyConfig):
         self.cfg = cfg
         self._rr = {"encoder": itertools.cycle(cfg.encoders), "pd": itertools.cycle(cfg.pd)}
+        self._pd_ec = dict(zip(cfg.pd, cfg.pd_ec_addresses))
+        self._producers: dict[str, str] = {}  # flow overlap: encoder URL -> the producer its answers announce
         self._session: Optional[aiohttp.ClientSession] = None
 
     def app(self) -> web.Application:
@@ -157,15 +273,83 @@ class Proxy:
             raise BackendError(_error_status(resp.status), stage, url, f"HTTP {resp.status}: {text[:500]}")
         return resp
 
-    async def _encode(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
-        url = next(self._rr["encoder"])
+    async def _encode(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                      url: Optional[str] = None) -> Any:
+        url = url or next(self._rr["encoder"])
+        params = await self._post_encoder(url, path, encoder_body(body), headers)
+        producer = announced_producer(params)
+        if producer is not None:
+            self._producers[url] = producer  # flow overlap: where this encoder's items will be
+        return params
+
+    async def _overlapped(self, path: str, body: dict[str, Any], headers: dict[str, str], e_url: str,
+                          producer: str) -> tuple[str, aiohttp.ClientResponse, bytes, str]:
+        """Flow "overlap": the encoder and the PD get the request at once; the PD is told to
+        expect the items at ``producer``. Returns the PD's URL, its open answer, the answer's
+        first bytes and the fallback note (see the module docstring for failures)."""
+        e_task = asyncio.ensure_future(self._encode(path, body, headers, e_url))
+        url = next(self._rr["pd"])
+        t = self._timeout(read=self.cfg.pd_timeout_s)
+
+        async def first_bytes(b: dict[str, Any]) -> tuple[aiohttp.ClientResponse, bytes]:
+            resp = await self._call("pd", url, "POST", path, t, json=b, headers=headers)
+            try:
+                return resp, await resp.content.readany()
+            except BaseException:
+                resp.close()
+                raise
+
+        pd_task = asyncio.ensure_future(first_bytes(dict(body, ec_transfer_params=build_expect(producer))))
+        try:
+            await asyncio.wait({e_task, pd_task}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the client went away: so do both backend calls
+            pd_task.cancel()
+            e_task.cancel()
+            raise
+        e_error = e_task.exception() if e_task.done() else None
+        if e_error is None or pd_task.done():
+            e_task.add_done_callback(_log_late_encoder_failure)
+            try:
+                pd, first = await pd_task
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as e:
+                raise BackendError(502, "pd", url, f"{type(e).__name__}: {e}") from e
+            return url, pd, first, ""
+        # The encoder failed before the PD answered anything: the PD would wait for items that
+        # will not come. Cancel it (vLLM aborts a request whose connection closes) and do what
+        # the pull flow does with an encoder failure.
+        pd_task.cancel()
+        await asyncio.gather(pd_task, return_exceptions=True)
+        if not isinstance(e_error, BackendError) or not self.cfg.encoder_fallback or 400 <= e_error.status < 500:
+            raise e_error
+        log.warning("%s: %s; the PD encodes it instead", path, e_error)
+        pd, first = await first_bytes(body)
+        return url, pd, first, str(e_error)[:300]
+
+    async def _post_encoder(self, url: str, path: str, e_body: dict[str, Any], headers: dict[str, str]) -> Any:
+        """Send ``e_body`` to encoder ``url``; its answer's top-level ``ec_transfer_params``."""
         t = self._timeout(total=self.cfg.encode_timeout_s)
-        async with await self._call("encoder", url, "POST", path, t, json=encoder_body(body), headers=headers) as r:
+        async with await self._call("encoder", url, "POST", path, t, json=e_body, headers=headers) as r:
             text = await _read_text(r, "encoder", url, t)
         try:
             return json.loads(text).get("ec_transfer_params")
         except (ValueError, AttributeError) as e:
             raise BackendError(502, "encoder", url, f"answer is not a JSON object: {text[:200]!r}") from e
+
+    async def _encode_mooncake(self, path: str, body: dict[str, Any],
+                               headers: dict[str, str]) -> tuple[str, dict[str, Any]]:
+        """Flow "mooncake": the PD chosen for this request and the body it gets.
+
+        The PD is chosen first because the encoder must be told where to push. Encoder failures
+        are not fallen back from: the PD's connector never encodes by itself.
+        """
+        pd_url = next(self._rr["pd"])
+        if not needs_encoder(body):
+            return pd_url, body
+        transfer_ids = [uuid.uuid4().hex for _ in range(media_items(body))]
+        e_url = next(self._rr["encoder"])
+        params = await self._post_encoder(e_url, path, mooncake_encoder_body(body, self._pd_ec[pd_url], transfer_ids),
+                                          headers)
+        return pd_url, mooncake_pd_body(body, transfer_ids, params)
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -177,22 +361,32 @@ class Proxy:
         headers = {h: request.headers[h] for h in FORWARD_HEADERS if h in request.headers}
         t0 = time.perf_counter()
         fallback = ""
+        first = b""
+        e_url = next(self._rr["encoder"]) if self.cfg.flow == "overlap" and needs_encoder(body) else None
         try:
-            if needs_encoder(body):
-                try:
-                    params = await self._encode(request.path, body, headers)
-                except BackendError as e:
-                    if not self.cfg.encoder_fallback or 400 <= e.status < 500:
-                        raise
-                    fallback = str(e)[:300]
-                    log.warning("%s %s: %s; the PD encodes it instead", request.method, request.path, e)
-                    params = None
-                if params is not None:
-                    body = dict(body, ec_transfer_params=params)
+            if e_url is not None and e_url in self._producers:
+                url, pd, first, fallback = await self._overlapped(request.path, body, headers, e_url,
+                                                                  self._producers[e_url])
+            elif self.cfg.flow == "mooncake":
+                url, body = await self._encode_mooncake(request.path, body, headers)
+            else:
+                if needs_encoder(body):
+                    try:
+                        # (flow overlap: the first request to each encoder learns its producer)
+                        params = await self._encode(request.path, body, headers, e_url)
+                    except BackendError as e:
+                        if not self.cfg.encoder_fallback or 400 <= e.status < 500:
+                            raise
+                        fallback = str(e)[:300]
+                        log.warning("%s %s: %s; the PD encodes it instead", request.method, request.path, e)
+                        params = None
+                    if params is not None:
+                        body = dict(body, ec_transfer_params=params)
+                url = next(self._rr["pd"])
             t_enc = time.perf_counter() - t0
-            url = next(self._rr["pd"])
-            t = self._timeout(read=self.cfg.pd_timeout_s)
-            pd = await self._call("pd", url, "POST", request.path, t, json=body, headers=headers)
+            if not first:
+                t = self._timeout(read=self.cfg.pd_timeout_s)
+                pd = await self._call("pd", url, "POST", request.path, t, json=body, headers=headers)
         except BackendError as e:
             log.warning("%s %s: %s", request.method, request.path, e)
             return e.response()
@@ -203,6 +397,8 @@ class Proxy:
                 out.headers["X-EC-Fallback"] = fallback
             await out.prepare(request)
             try:
+                if first:
+                    await out.write(first)
                 async for chunk in pd.content.iter_any():
                     await out.write(chunk)
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as e:
@@ -242,6 +438,13 @@ class Proxy:
         return web.Response(body=body, status=r.status, content_type=r.content_type)
 
 
+def _log_late_encoder_failure(task: "asyncio.Future[Any]") -> None:
+    """Flow overlap: an encoder that fails after the PD started answering costs nothing more (the
+    PD waits ``expect_wait_s``, then encodes the media itself); say so in the log."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("encoder failed after the PD started answering: %s", task.exception())
+
+
 def _limits(t: aiohttp.ClientTimeout) -> str:
     parts = {"total": t.total, "connect": t.sock_connect, "read": t.sock_read}
     return ", ".join(f"{k} {v:g}s" for k, v in parts.items() if v)
@@ -276,6 +479,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--health-timeout", type=float, default=ProxyConfig.health_timeout_s)
     p.add_argument("--no-encoder-fallback", dest="encoder_fallback", action="store_false",
                    help="answer an encoder failure with an error instead of letting the PD encode")
+    p.add_argument("--flow", choices=FLOWS, default=ProxyConfig.flow,
+                   help="'pull' (default): the PD gets the encoder's answer's ec_transfer_params; 'overlap' "
+                        "(NixlECConnector): the PD gets the request while the encoder runs it; 'mooncake': "
+                        "vLLM's ECMooncakeConnector, the encoder pushes to the PD (needs --pd-ec-addresses)")
+    p.add_argument("--pd-ec-addresses", type=_urls, default=[],
+                   help="flow mooncake: comma-separated consumer control address (tcp://ec_ip:ec_port) of each "
+                        "PD, in --pd order")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -283,14 +493,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def config_from_args(a: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(encoders=a.encoders, pd=a.pd, connect_timeout_s=a.connect_timeout,
                        encode_timeout_s=a.encode_timeout, pd_timeout_s=a.pd_timeout,
-                       health_timeout_s=a.health_timeout, encoder_fallback=a.encoder_fallback)
+                       health_timeout_s=a.health_timeout, encoder_fallback=a.encoder_fallback,
+                       flow=a.flow, pd_ec_addresses=a.pd_ec_addresses)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(a)
-    log.info("proxy on http://%s:%d  encoders=%s  pd=%s", a.host, a.port, cfg.encoders, cfg.pd)
+    log.info("proxy on http://%s:%d  encoders=%s  pd=%s%s", a.host, a.port, cfg.encoders, cfg.pd,
+             f"  flow={cfg.flow}  pd_ec_addresses={cfg.pd_ec_addresses}" if cfg.flow != "pull" else "")
     web.run_app(Proxy(cfg).app(), host=a.host, port=a.port, print=None, access_log=None)
     return 0
 
