@@ -193,11 +193,24 @@ def plan(cfg: LaunchConfig) -> list[Instance]:
     return out
 
 
+def proxy_flow(cfg: LaunchConfig, backends: list[Instance]) -> list[str]:
+    """The proxy's request flow for this connector (``proxy_args`` may still override it):
+    NixlECConnector overlaps the PD with the encoder; ECMooncakeConnector's encoder must be told
+    which consumer to push to (each PD's ``tcp://ec_ip:ec_port``); others go E then PD."""
+    if cfg.connector == "NixlECConnector":
+        return ["--flow", "overlap"]
+    if cfg.connector == "ECMooncakeConnector":
+        addrs = [f"tcp://{b.ec_transfer_config['ec_ip']}:{b.ec_transfer_config['ec_port']}"
+                 for b in backends if b.role == "pd" and b.ec_transfer_config]
+        return ["--flow", "mooncake", "--pd-ec-addresses", ",".join(addrs)]
+    return []
+
+
 def proxy_instance(cfg: LaunchConfig, backends: list[Instance]) -> Instance:
     argv = [sys.executable, "-m", "ec_nixl.disagg.proxy",
             "--encoders", ",".join(b.url for b in backends if b.role == "encoder"),
             "--pd", ",".join(b.url for b in backends if b.role == "pd"),
-            "--host", cfg.host, "--port", str(cfg.port), *cfg.proxy_args]
+            "--host", cfg.host, "--port", str(cfg.port), *proxy_flow(cfg, backends), *cfg.proxy_args]
     return Instance(name="proxy", role="proxy", port=cfg.port, argv=argv, env=dict(os.environ),
                     log_path=cfg.log_dir / "proxy.log")
 
