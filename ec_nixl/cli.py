@@ -1,5 +1,6 @@
-"""The ``ec-nixl`` command: ``bench`` (transfer microbenchmarks), ``serve-disagg`` (E -> PD
-launcher) and ``status`` (a producer's pool occupancy and counters)."""
+"""The ``ec-nixl`` command: ``bench`` (transfer microbenchmarks), ``bench serve`` (vLLM's serving
+benchmark against whole deployments), ``serve-disagg`` (E -> PD launcher) and ``status`` (a
+producer's pool occupancy and counters)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: ec-nixl {bench,serve-disagg,status} [options]   (ec-nixl COMMAND --help for details)"
+    usage = "usage: ec-nixl {bench,bench serve,serve-disagg,status} [options]   (ec-nixl COMMAND --help for details)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd == "bench" and rest[:1] == ["serve"]:
+        from ec_nixl.bench.serve import main as serve_bench_main
+
+        return serve_bench_main(rest[1:])
     if cmd == "bench":
         from ec_nixl.bench.command import main as bench_main
 

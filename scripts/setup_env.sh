@@ -32,6 +32,19 @@ PIP=("$PY" -m pip -q)
 
 # Install only when the requirements changed since the last successful run (pip alone takes ~10 s
 # to find that nothing is to do).
+# mooncake-transfer-engine (ec-nixl bench serve's ECMooncakeConnector peer) links libibverbs.so.1,
+# even for TCP: Debian's libibverbs1. Installed when missing and we can; else that deployment fails
+# to start with the loader's error (the rest of the suite does not need it).
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 >/dev/null 2>&1 ||
+            { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 >/dev/null; } ||
+            echo "setup_env: could not install libibverbs1 (ECMooncakeConnector cannot start here)" >&2
+    else
+        echo "setup_env: libibverbs1 missing and not root: ECMooncakeConnector cannot start here" >&2
+    fi
+fi
+
 STAMP=$VENV/.ec-nixl-requirements.sha256
 want=$(sha256sum "$REQ" | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then

@@ -1,0 +1,60 @@
+"""``ec-nixl bench serve`` itself, small: real vLLM CPU servers and vLLM's own serving benchmark,
+NixlEC (overlapped flow), ECExample and ECMooncake, one round, a handful of requests. It checks
+that every deployment starts, every request completes, the table has the ratios and the JSON
+every row: not speed (the full run's numbers are in bench/RESULTS.md), and the arithmetic of the
+summary on rows made up here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ec_nixl.bench.serve import summarize, table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_summary_takes_the_median_of_per_round_ratios():
+    rows = [dict(images=1, concurrency=4, deployment=d, round=r, completed=10, failed=0, req_s=q, ttft_p50_ms=t,
+                 ttft_p99_ms=2 * t)
+            for d, r, t, q in [("example", 0, 100, 10), ("nixl", 0, 80, 11), ("example", 1, 200, 5),
+                               ("nixl", 1, 100, 6), ("example", 2, 50, 10), ("nixl", 2, 45, 9)]]
+    s = {x["deployment"]: x for x in summarize(rows, ["example", "nixl"], "example")}
+    assert s["nixl"]["ttft_p50_ms_ratio"] == [0.8, 0.5, 0.9]  # 0.8, 0.5, 0.9: median 0.8, spread 0.5-0.9
+    assert s["nixl"]["req_s_ratio"] == [1.1, 0.9, 1.2]
+    assert s["nixl"]["ttft_p50_ms"] == 80 and s["example"]["ttft_p50_ms_ratio"] is None
+    assert "0.80 (0.50-0.90)" in table(list(s.values()), "example")
+
+
+@pytest.mark.timeout(1500)
+def test_bench_serve_runs_every_deployment(tmp_path):
+    pytest.importorskip("vllm")
+    out = tmp_path / "serve"
+    deps = ["nixl", "example", "mooncake"]
+    r = subprocess.run(
+        [sys.executable, "-m", "ec_nixl.cli", "bench", "serve", "--out", str(out), "--deployments", ",".join(deps),
+         "--rounds", "1", "--concurrency", "2", "--images", "1", "--prompts", "6", "--port", "19000",
+         "--json", str(out / "r.json"), "--plot", str(out / "r.png")],
+        capture_output=True, text=True, timeout=1400, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    assert r.returncode == 0, f"exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    res = json.loads((out / "r.json").read_text())
+    assert res["schema"] == "ec-nixl-bench-serve/1"
+    got = {(x["deployment"], x["completed"], x["failed"]) for x in res["rows"]}
+    assert got == {(d, 6, 0) for d in deps}, res["rows"]
+    summary = {s["deployment"]: s for s in res["summary"]}
+    for d in ("nixl", "mooncake"):
+        assert summary[d]["ttft_p50_ms_ratio"] and summary[d]["req_s_ratio"], summary[d]
+    assert "| 1 | 2 | nixl |" in r.stdout and "p50 ÷ example" in r.stdout, r.stdout[-3000:]
+    # The NixlEC run moved its items over NIXL (none re-encoded on the PD), and the overlapped
+    # flow was used: after the first request, the PD expected items before E answered.
+    pd = next(p["pd"] for p in res["phases"] if p["deployment"] == "nixl")
+    assert pd.get("loads_landed", 0) >= 6 and pd.get("local_fallbacks", 0) == 0, pd
+    assert pd.get("expected_items", 0) >= 1, pd
+    if (out / "r.png").exists():  # matplotlib is in the test requirements; the plot is optional otherwise
+        assert (out / "r.png").stat().st_size > 1000

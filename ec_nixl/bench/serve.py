@@ -1,0 +1,344 @@
+"""``ec-nixl bench serve``: what a user measures first: vLLM's own serving benchmark against whole
+deployments, one connector against another, on this machine.
+
+Each round starts every deployment afresh in turn (interleaved: a noisy host drifts between
+deployments, not within a round), drives it with ``vllm.benchmarks.serve`` (dataset
+``random-mm``, a sweep over concurrency and images per request, ``--ignore-eos``), reads the
+connector's control-path phases from the instances' Prometheus ``/metrics`` and stops it. The
+deployments:
+
+* ``colocated``: one vLLM instance, no EC connector (on all the cores the others share);
+* ``nixl``: 1 E + 1 PD with NixlECConnector behind ``ec-nixl serve-disagg``'s proxy in its
+  overlapped flow (the PD gets the request while E encodes; ``proxy --overlap``);
+* ``nixl-seq``: the same with the plain E-then-PD flow;
+* ``example``: 1 E + 1 PD with vLLM's ECExampleConnector (disk), E then PD;
+* ``mooncake``: 1 E + 1 PD with vLLM's ECMooncakeConnector (over TCP on CPU), driven by the
+  protocol it expects (the E request names the consumer; ``proxy --flow mooncake``). Needs
+  ``mooncake-transfer-engine-non-cuda`` (and Debian's ``libibverbs1``) on CPU; on vLLM's CPU
+  backend its instances get a fix of a vLLM gap (``mooncake_shim/sitecustomize.py``).
+
+Reported per (images, concurrency): each deployment's TTFT p50/p99, req/s and failures (medians
+over rounds), and each one's ratios to the reference deployment (``--reference``, default
+``example``) computed per round, then the median with its spread. ``--json`` keeps every row,
+``--plot`` draws TTFT p50 against concurrency. Runs on CPU with a tiny model (``--model`` omitted:
+the e2e tests' tiny Qwen2-VL is built under ``--out``) or on a GPU host with a real model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+DEPLOYMENTS = ("colocated", "nixl", "nixl-seq", "example", "mooncake")
+DEFAULT_DEPLOYMENTS = "colocated,nixl,example,mooncake"
+CONNECTOR = {"nixl": "NixlECConnector", "nixl-seq": "NixlECConnector", "example": "ECExampleConnector",
+             "mooncake": "ECMooncakeConnector"}
+CPU_VLLM_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "8", "--enforce-eager", "--dtype", "bfloat16",
+                 "--limit-mm-per-prompt", '{"image":4,"video":0}']
+PHASES = ("admit", "hold_rtt", "expect_wait", "hold_seen", "publish")
+COUNTERS = ("admitted", "admission_steps", "prefetch_defers", "local_fallbacks", "loads_landed", "expected_items")
+SCHEMA = "ec-nixl-bench-serve/1"
+POOL_BYTES = 256 << 20  # ec_buffer_size of the NixlEC and ECMooncake instances (Mooncake's default is 1 GB)
+
+# One process per deployment and round runs every (images, concurrency) point: vLLM's import
+# costs ~10 s here, paid once.
+DRIVER = r"""
+import argparse, json, sys
+from vllm.benchmarks import serve
+points, common = json.loads(sys.argv[1]), sys.argv[2:]
+for pt in points:
+    p = argparse.ArgumentParser(); serve.add_cli_args(p)
+    a = p.parse_args(common + pt["argv"])
+    try:
+        serve.main(a)
+    except Exception as e:  # one point failing must not lose the others
+        print(f"bench point {pt['tag']} failed: {e!r}", flush=True)
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ec-nixl bench serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path("bench-serve-out"), help="logs, per-run results, tiny model")
+    p.add_argument("--model", default=None, help="model path (default: build the tiny Qwen2-VL under --out)")
+    p.add_argument("--deployments", default=DEFAULT_DEPLOYMENTS, help=f"comma list of {', '.join(DEPLOYMENTS)}")
+    p.add_argument("--reference", default="example", help="deployment the ratios divide by")
+    p.add_argument("--concurrency", default="1,4,8", help="comma list (default 1,4,8)")
+    p.add_argument("--images", default="1,2", help="images per request, comma list (default 1,2)")
+    p.add_argument("--prompts", type=int, default=40, help="requests per point (default 40)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--image-sizes", default="224x224,336x336", help="random-mm image buckets, equally likely")
+    p.add_argument("--input-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--vllm-args", default=None, help="extra vLLM server args (default: small CPU settings)")
+    p.add_argument("--port", type=int, default=18000, help="first port (each deployment uses a block of 100)")
+    p.add_argument("--json", default=None, metavar="PATH", help=f"write every row and the summary ({SCHEMA})")
+    p.add_argument("--plot", default=None, metavar="PATH", help="TTFT p50 vs concurrency PNG (needs matplotlib)")
+    return p
+
+
+def _env(root: Path) -> dict[str, str]:
+    shim = root / "tests" / "e2e" / "shim"  # one NUMA node: the e2e tests' start-up fix (CPU only)
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "EC_NIXL_E2E_NO_NUMA_MIGRATE": "1"}
+    paths = [str(shim)] if shim.is_dir() else []
+    env["PYTHONPATH"] = os.pathsep.join(paths + [str(root), os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
+    return env
+
+
+def _root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+@contextmanager
+def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[str]) -> Iterator[dict]:
+    """Start ``name``, wait until it serves, yield its URLs; stop everything on the way out."""
+    from ec_nixl.disagg.launcher import Cluster, Instance, LaunchConfig, Supervisor, instance_env, vllm_argv
+
+    env = _env(_root())
+    if name == "colocated":
+        cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        inst = Instance(name="colocated", role="baseline", port=port, log_path=log_dir / "colocated.log",
+                        argv=vllm_argv(model, port, vllm_args, None),
+                        env=instance_env(dict(os.environ), cores, None, env))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with Supervisor() as sup:
+            sup.spawn(inst)
+            sup.wait_healthy([inst], 900.0)
+            yield {"url": inst.url, "pd": inst.url, "e": None}
+        return
+    # The launcher picks each connector's proxy flow (NixlEC: overlap; ECMooncake: push to the
+    # PD named in the E request); nixl-seq forces the plain E-then-PD flow.
+    proxy_args = ["--flow", "pull"] if name == "nixl-seq" else []
+    extra: dict[str, Any] = {}
+    if name == "mooncake":
+        extra = {"mooncake_protocol": "rdma" if _cuda() else "tcp"}
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "mooncake_shim"), env["PYTHONPATH"]])
+        env["EC_NIXL_BENCH_MOONCAKE_NOFORWARD_FIX"] = "1"
+    cfg = LaunchConfig(model=model, connector=CONNECTOR[name], port=port, base_port=port + 10,
+                       ec_base_port=port + 50, vllm_args=vllm_args, log_dir=log_dir, env=env,
+                       ec_buffer_device="cpu" if not _cuda() else None, ec_buffer_size=POOL_BYTES,
+                       proxy_args=proxy_args, extra_config=extra, startup_timeout_s=900.0)
+    with Cluster(cfg) as c:
+        c.start()
+        c.wait_ready()
+        pd = next(i for i in c.instances if i.role == "pd")
+        e = next(i for i in c.instances if i.role == "encoder")
+        yield {"url": c.proxy_url, "pd": pd.url, "e": e.url}
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def scrape(url: Optional[str]) -> dict[str, Any]:
+    """An instance's NixlEC phases (mean ms) and counters from its Prometheus text ({} if none)."""
+    if not url:
+        return {}
+    try:
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, Any] = {}
+    for k in PHASES:
+        tot = re.search(r'vllm:nixl_ec_phase_seconds_sum\{[^}]*phase="%s"[^}]*\} (\S+)' % k, text)
+        n = re.search(r'vllm:nixl_ec_phase_seconds_count\{[^}]*phase="%s"[^}]*\} (\S+)' % k, text)
+        if tot and n and float(n.group(1)):
+            out[f"{k}_ms"] = round(float(tot.group(1)) / float(n.group(1)) * 1e3, 3)
+    for k in COUNTERS:
+        m = re.search(r"vllm:nixl_ec_num_%s_total\{[^}]*\} (\S+)" % k, text)
+        if m:
+            out[k] = int(float(m.group(1)))
+    for k, series in (("xfer_ms", "vllm:nixl_ec_xfer_time_seconds"), ("barrier_ms", "vllm:nixl_ec_barrier_wait_seconds")):
+        tot = re.search(r"%s_sum\{[^}]*\} (\S+)" % series, text)
+        n = re.search(r"%s_count\{[^}]*\} (\S+)" % series, text)
+        if tot and n and float(n.group(1)):
+            out[k] = round(float(tot.group(1)) / float(n.group(1)) * 1e3, 3)
+    return out
+
+
+def _r(v: Optional[float]) -> Optional[float]:
+    return None if v is None else round(v, 1)
+
+
+def points(args) -> list[tuple[int, int]]:
+    imgs = [int(x) for x in args.images.split(",") if x.strip()]
+    conc = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    return [(i, c) for i in imgs for c in conc]
+
+
+def drive(args, model: str, url: str, tag: str, rnd: int, out: Path) -> list[dict]:
+    """Every (images, concurrency) point against ``url`` in one benchmark process."""
+    buckets = "{" + ",".join(f"({w},{h},1):{1 / len(args.sizes):.4f}" for w, h in args.sizes) + "}"
+    common = ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
+              "--model", model, "--tokenizer", model, "--dataset-name", "random-mm",
+              "--num-prompts", str(args.prompts), "--random-input-len", str(args.input_len),
+              "--random-output-len", str(args.output_len), "--ignore-eos", "--random-mm-bucket-config", buckets,
+              "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99", "--save-result",
+              "--result-dir", str(out), "--disable-tqdm", "--seed", str(rnd)]
+    pts = []
+    for images, conc in points(args):
+        name = f"{tag}-i{images}-c{conc}.json"
+        pts.append({"tag": name, "images": images, "concurrency": conc, "argv": [
+            "--max-concurrency", str(conc), "--random-mm-base-items-per-request", str(images),
+            "--random-mm-limit-mm-per-prompt", json.dumps({"image": images, "video": 0}),
+            "--result-filename", name]})
+    env = {**os.environ, **_env(_root())}
+    p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(pts), *common], capture_output=True, text=True,
+                       env=env, timeout=3600)
+    (out / f"{tag}.bench.log").write_text(p.stdout + p.stderr)
+    rows = []
+    for pt in pts:
+        f = out / pt["tag"]
+        res = json.loads(f.read_text()) if f.exists() else {}
+        rows.append({"images": pt["images"], "concurrency": pt["concurrency"],
+                     "completed": res.get("completed", 0), "failed": res.get("failed", args.prompts if not res else 0),
+                     "req_s": res.get("request_throughput"), "ttft_p50_ms": res.get("p50_ttft_ms"),
+                     "ttft_p99_ms": res.get("p99_ttft_ms"), "e2el_p50_ms": res.get("p50_e2el_ms")})
+    return rows
+
+
+def summarize(rows: list[dict], deps: list[str], ref: str) -> list[dict]:
+    """Per (images, concurrency, deployment): medians over rounds and per-round ratios to ``ref``."""
+    out = []
+    keys = sorted({(r["images"], r["concurrency"]) for r in rows})
+    for images, conc in keys:
+        at = [r for r in rows if r["images"] == images and r["concurrency"] == conc]
+        for d in deps:
+            mine = [r for r in at if r["deployment"] == d]
+            if not mine:
+                continue
+            s: dict[str, Any] = {"images": images, "concurrency": conc, "deployment": d, "rounds": len(mine),
+                                 "failed": sum(r["failed"] or 0 for r in mine),
+                                 "completed": sum(r["completed"] or 0 for r in mine)}
+            for k in ("ttft_p50_ms", "ttft_p99_ms", "req_s"):
+                vals = [r[k] for r in mine if r[k]]
+                s[k] = round(statistics.median(vals), 2) if vals else None
+                ratios = sorted(a[k] / b[k] for a in mine for b in at
+                                if b["deployment"] == ref and b["round"] == a["round"] and a[k] and b[k])
+                s[f"{k}_ratio"] = ([round(statistics.median(ratios), 3), round(ratios[0], 3), round(ratios[-1], 3)]
+                                   if ratios and d != ref else None)
+            out.append(s)
+    return out
+
+
+def table(summary: list[dict], ref: str) -> str:
+    lines = [f"| images | conc | deployment | TTFT p50 ms | TTFT p99 ms | req/s | failed | "
+             f"p50 ÷ {ref} | p99 ÷ {ref} | req/s ÷ {ref} |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(v):
+        return f"{v[0]:.2f} ({v[1]:.2f}-{v[2]:.2f})" if v else "—"
+
+    for s in summary:
+        lines.append(f"| {s['images']} | {s['concurrency']} | {s['deployment']} | {s['ttft_p50_ms']} | "
+                     f"{s['ttft_p99_ms']} | {s['req_s']} | {s['failed']} of {s['failed'] + s['completed']} | "
+                     f"{ratio(s['ttft_p50_ms_ratio'])} | {ratio(s['ttft_p99_ms_ratio'])} | {ratio(s['req_s_ratio'])} |")
+    return "\n".join(lines)
+
+
+def plot(path: str, summary: list[dict]) -> None:
+    from ec_nixl.bench import optional
+
+    matplotlib, why = optional.load("matplotlib")
+    if matplotlib is None:
+        print(f"plot skipped: {why}")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    images = sorted({s["images"] for s in summary})
+    fig, axes = plt.subplots(1, len(images), figsize=(6 * len(images), 4.5), squeeze=False)
+    for ax, n in zip(axes[0], images):
+        for d in dict.fromkeys(s["deployment"] for s in summary):
+            pts = sorted((s["concurrency"], s["ttft_p50_ms"]) for s in summary
+                         if s["images"] == n and s["deployment"] == d and s["ttft_p50_ms"])
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=d)
+        ax.set_title(f"{n} image(s) per request")
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("TTFT p50, ms (median of rounds)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = parser().parse_args(argv)
+    deps = [d.strip() for d in args.deployments.split(",") if d.strip()]
+    bad = [d for d in deps if d not in DEPLOYMENTS]
+    if bad or args.reference not in deps:
+        print(f"ec-nixl bench serve: unknown deployment(s) {bad} or reference {args.reference!r} not among "
+              f"{deps}; known: {', '.join(DEPLOYMENTS)}", file=sys.stderr)
+        return 2
+    try:
+        args.sizes = [tuple(int(v) for v in s.lower().split("x")) for s in args.image_sizes.split(",") if s.strip()]
+        points(args)
+    except ValueError as e:
+        print(f"ec-nixl bench serve: {e}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = args.model
+    if model is None:
+        model = str((args.out / "tiny-vl").resolve())
+        if not Path(model, "config.json").exists():
+            builder = _root() / "tests" / "e2e" / "build_tiny_vl.py"
+            subprocess.run([sys.executable, str(builder), model], check=True, capture_output=True,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    vllm_args = args.vllm_args.split() if args.vllm_args else list(CPU_VLLM_ARGS)
+    print(f"ec-nixl bench serve: {', '.join(deps)} x {args.rounds} rounds; points (images, concurrency) "
+          f"{points(args)}; {args.prompts} prompts each; model {model}", flush=True)
+    rows: list[dict] = []
+    phases: list[dict] = []
+    for rnd in range(args.rounds):
+        for i, d in enumerate(deps):
+            tag = f"r{rnd}-{d}"
+            t0 = time.monotonic()
+            try:
+                with deployment(d, model, args.port + 100 * i, args.out / tag, vllm_args) as urls:
+                    got = drive(args, model, urls["url"], tag, rnd, args.out)
+                    phases.append({"round": rnd, "deployment": d, "pd": scrape(urls["pd"]), "e": scrape(urls["e"])})
+            except Exception as e:  # a deployment that cannot start is reported, the others still run
+                print(f"  {tag}: failed to run: {e}", flush=True)
+                got = [{"images": n, "concurrency": c, "completed": 0, "failed": args.prompts, "req_s": None,
+                        "ttft_p50_ms": None, "ttft_p99_ms": None, "e2el_p50_ms": None, "error": str(e)[:500]}
+                       for n, c in points(args)]
+            for r in got:
+                r.update(deployment=d, round=rnd)
+                rows.append(r)
+                print(f"  {tag} images={r['images']} conc={r['concurrency']}: TTFT p50 {_r(r['ttft_p50_ms'])} "
+                      f"p99 {_r(r['ttft_p99_ms'])} ms, {_r(r['req_s'])} req/s, failed {r['failed']}", flush=True)
+            print(f"  {tag}: {time.monotonic() - t0:.0f} s", flush=True)
+    summary = summarize(rows, deps, args.reference)
+    print()
+    print(table(summary, args.reference))
+    print("\nconnector phases (means, ms; PD and E /metrics at the end of each run):")
+    for ph in phases:
+        if ph["pd"] or ph["e"]:
+            print(f"  r{ph['round']} {ph['deployment']}: PD {ph['pd']} E {ph['e']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"schema": SCHEMA, "args": {k: (str(v) if isinstance(v, Path) else v)
+                                                                           for k, v in vars(args).items()},
+                                               "rows": rows, "summary": summary, "phases": phases}, indent=1))
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(args.plot, summary)
+    failed = sum(r["failed"] or 0 for r in rows)
+    return 0 if not failed else 1
