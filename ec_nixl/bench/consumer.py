@@ -41,7 +41,7 @@ class Consumer:
         common = dict(pool_bytes=cfg["pool_bytes"], block_bytes=BLOCK, threaded=False, load_timeout_s=60.0,
                       peer_timeout_s=30.0, backend_params=cfg.get("backend_params") or {},
                       nixl_progress_thread=cfg.get("nixl_progress_thread"))
-        links = {"read": ("ours-read" in paths or "publish-landed" in paths or cfg["barrier"], self.device, "read"),
+        links = {"read": ("ours-read" in paths or "publish-landed" in paths or "expect-landed" in paths or cfg["barrier"], self.device, "read"),
                  "write": ("ours-write" in paths or "staged-write" in paths, self.device, "write"),
                  "host": (self.cuda and "host-bounce" in paths, "cpu", "read")}
         self.eps: dict[str, Any] = {

@@ -117,6 +117,9 @@ class Producer:
     def publish_staged(self, group: str) -> tuple:
         return ours.publish_staged(self, group)
 
+    def publish_when_parked(self, group: str, parked: int) -> tuple:
+        return ours.publish_when_parked(self, group, parked)
+
     def stats(self) -> dict:
         out = {"dev": self.ep.stats()}
         if self.host is not None:

@@ -1,7 +1,7 @@
 """Every path the bench times, one module per family, and the producer-side stage of each.
 
 =================  ==========================================================================
-``ours``           ours-read, ours-write, staged-write, publish-landed (ec-nixl's public API),
+``ours``           ours-read, ours-write, staged-write, publish-landed, expect-landed (ec-nixl's API),
                    landed barrier
 ``raw_nixl``       raw-nixl-read, raw-nixl-write: plain NIXL between the same processes (floor)
 ``reference``      reference-copy (CUDA-IPC copy / cross-process memcpy), copy bandwidth
@@ -21,7 +21,8 @@ from ec_nixl.bench.paths.base import Path, Skip
 PATHS: dict[str, type[Path]] = {
     p.name: p
     for p in (ours.OursRead, ours.OursWrite, raw_nixl.RawNixlRead, raw_nixl.RawNixlWrite, reference.ReferenceCopy,
-              host_bounce.HostBounce, file.File, ours.StagedWrite, ours.PublishLanded, ucx.Ucx)
+              host_bounce.HostBounce, file.File, ours.StagedWrite, ours.PublishLanded,
+              ours.ExpectLanded, ucx.Ucx)
 }
 ALL_PATHS = tuple(PATHS)  # also the order of rows within a size in the report
 

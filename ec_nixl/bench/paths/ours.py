@@ -6,6 +6,8 @@ landed-barrier case.
 ``ours-write``    the same on a write-mode link: the producer WRITEs into the consumer's slot.
 ``publish-landed`` the producer's ``publish_slot`` -> the consumer's barrier returned, with the
                   announcement and the Hold round trip in between (see ``PublishLanded``).
+``expect-landed`` the same hand-off in the overlapped flow: the consumer's Hold is already waiting
+                  at the producer when it publishes (see ``ExpectLanded``).
 ``staged-write``  ECMooncakeConnector-style: ``publish()`` of a tensor outside the pool (a staging
                   copy into the registered pool, + synchronize), then the same WRITE; the sample is
                   the producer's stage time plus the consumer's load time (back to back).
@@ -107,11 +109,44 @@ class PublishLanded(OursRead):
         return self.c.rpc("stage_unpublished", self.tag, self.spec_tuple(), k, self.per_op)
 
     def op(self, payload) -> float:
-        group, probes = payload
+        group, probes, _ = payload
         c = self.c
         ep, barrier = c.eps[self.ep_key], c.barriers[self.ep_key]
         t_publish, descs = c.rpc("publish_staged", group)
         refs = held_refs(ep, c.info["address"], descs)
+        tickets = ep.load(refs)
+        out = barrier.wait(tickets, timeout=60)
+        t_landed = time.perf_counter()
+        self.end_step(ep, tickets, refs, probes, out)
+        return t_landed - t_publish
+
+
+class ExpectLanded(PublishLanded):
+    """``expect-landed``: publish -> landed when the consumer asked first (the proxy's overlapped
+    flow: PD's Hold waits at E while E encodes). The Hold (``wait_s``) is sent, and seen parked
+    by the producer, before the timed publish; the producer answers it from the publish, the
+    consumer posts its READ from that answer, and the barrier returns. No announcement travels
+    after the publish: this is the control path a request waits on in that flow."""
+
+    name = "expect-landed"
+
+    def op(self, payload) -> float:
+        from ec_nixl import ItemRef
+
+        group, probes, hashes = payload
+        c = self.c
+        ep, barrier, addr = c.eps[self.ep_key], c.barriers[self.ep_key], c.info["address"]
+        self.parked = getattr(self, "parked", 0) + 1
+        hold = ep.hold_async(addr, hashes, timeout=30, wait_s=10)
+        t_publish, descs = c.rpc("publish_when_parked", group, self.parked)
+        if not ep.wait_for(lambda: hold.done, 30):
+            raise RuntimeError(f"the waiting Hold of {hashes[0]} was not answered after the publish")
+        refs = []
+        for d in descs:
+            s = hold.states[d.mm_hash]
+            if s.status != "ready":
+                raise RuntimeError(f"waiting hold of {d.mm_hash}: {s.status} {s.detail}")
+            refs.append(ItemRef(desc=d, producer=addr, block=s.block, incarnation=hold.incarnation))
         tickets = ep.load(refs)
         out = barrier.wait(tickets, timeout=60)
         t_landed = time.perf_counter()
@@ -161,9 +196,19 @@ def stage_unpublished(prod, tag: str, spec: tuple, n_ops: int, per_op: int) -> l
         slots = _write_reserved(prod, tag, nbytes, per_op)
         group = prod.new_hash(f"{tag}-group")
         prod.unpublished[group] = (slots, shape, getattr(torch, dtype))
-        out.append((group, [probe(slot.bytes()[:nbytes]) for _, slot in slots]))
+        out.append((group, [probe(slot.bytes()[:nbytes]) for _, slot in slots], [h for h, _ in slots]))
     sync(prod.device)
     return out
+
+
+def publish_when_parked(prod, group: str, parked: int, timeout: float = 30.0) -> tuple[float, list]:
+    """``publish_staged`` once this producer has parked ``parked`` waiting Holds in all (untimed)."""
+    deadline = time.monotonic() + timeout
+    while prod.ep.stats()["counters"].get("holds_parked", 0) < parked:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no waiting Hold reached the producer in {timeout:.0f}s")
+        time.sleep(0.0002)
+    return publish_staged(prod, group)
 
 
 def publish_staged(prod, group: str) -> tuple[float, list]:
