@@ -136,6 +136,19 @@ BREAKAGES: tuple[Breakage, ...] = (
                 "test_publish_waits_a_bounded_time_then_says_what_held_the_space"),
     ),
     Breakage(
+        name="waiting-hold-answered-early",
+        guarantee="a Hold that may wait is answered when its items are published, not before "
+                  "(the overlapped flow's PD would re-encode every item)",
+        file="ec_nixl/server.py",
+        old="""            if now < deadline and any(st.status != "ready" for st in items):
+""",
+        new="""            if False:  # BROKEN: a parked Hold is answered at the next tick, whatever its items
+""",
+        tests=("tests/test_expected_items.py",),
+        expect=("test_a_waiting_hold_is_answered_when_the_item_is_published",
+                "test_a_waiting_hold_for_an_item_never_published_answers_missing_after_its_wait"),
+    ),
+    Breakage(
         name="barrier-returns-on-slots",
         guarantee="the barrier hands over an item only once its ticket says it landed",
         file="ec_nixl/barrier.py",

@@ -99,3 +99,20 @@ def test_a_consumer_that_leaves_while_its_hold_waits_costs_the_producer_nothing(
     cons = make_consumer(threaded=True)
     states = cons.hold(prod.address, [SPEC[0]], timeout=5.0)
     assert states[SPEC[0]].status == "ready", states
+
+
+def test_expect_params_are_checked_like_any_other_input():
+    """``ec_nixl_expect`` comes from the request body: anything malformed names the problem and
+    is not used (the PD then encodes the media itself, or fails a request without media)."""
+    from ec_nixl.params import EXPECT_KEY, announced_producer, build_expect, parse_expect
+
+    assert parse_expect(build_expect("10.0.0.1:15600")) == ("10.0.0.1:15600", "")
+    assert parse_expect({"h": {"ec_nixl": {}}}) == (None, "")  # not an overlapped request
+    assert parse_expect(None) == (None, "")
+    for bad in ({EXPECT_KEY: "x"}, {EXPECT_KEY: {"v": 2, "producer": "a:1"}}, {EXPECT_KEY: {"v": 1}},
+                {EXPECT_KEY: {"v": 1, "producer": 5}}, {EXPECT_KEY: {"v": 1, "producer": "no-port"}},
+                {EXPECT_KEY: {"v": 1, "producer": "h:99999"}}):
+        producer, why = parse_expect(bad)
+        assert producer is None and why.startswith(f"bad {EXPECT_KEY}"), (bad, why)
+    assert announced_producer({"h": {"ec_nixl": {"producer": "e:1"}}}) == "e:1"
+    assert announced_producer({"h": {"other": 1}}) is None and announced_producer([1]) is None
