@@ -105,6 +105,7 @@ class SchedulerSide:
         self._prefetched: set[str] = set()  # sent for prefetch, not yet loaded or released
         self._step = 0
         self._busy = False  # the last step scheduled tokens: a new load would stall a batch
+        self._idle_blocked_step = -1  # the step in which an idle engine last blocked for a Hold answer
         self._unavailable: set[str] = set()
         self._worker_stats: Optional[dict] = None
         self._publish: list[str] = []
@@ -160,6 +161,14 @@ class SchedulerSide:
             return False
         if pending:
             self._send_holds(adm)
+            if self._may_block_idle():
+                # Nothing else to run: sleep until the producer answers (a few ms at most)
+                # instead of letting the engine spin through empty steps, which took a core from
+                # the encoder and the front-ends on a small host (the overlapped flow keeps
+                # requests waiting while their encoder runs).
+                holds = [it.hold for it in adm.items.values() if it.hold is not None]
+                if holds and self.endpoint.wait_for(lambda: any(h.done for h in holds), self.opts.admission_wait_s):
+                    return self.ensure_cache_available(request, num_computed_tokens)
             self.metrics.count("admission_defers")
             return False
         if self._busy and adm.deferred_step < 0 and self._worth_a_step(adm):
@@ -177,6 +186,14 @@ class SchedulerSide:
             self.metrics.count("admitted")
             self.metrics.count("admission_steps", self._step - adm.first_step)
             self.metrics.phase("admit", time.monotonic() - adm.t_first)
+        return True
+
+    def _may_block_idle(self) -> bool:
+        """Once per scheduling step, and only when the last step ran no tokens: an idle engine
+        may block ``admission_wait_s`` for a Hold's answer (a busy one must not stall its batch)."""
+        if self._busy or self._idle_blocked_step == self._step or self.opts.admission_wait_s <= 0:
+            return False
+        self._idle_blocked_step = self._step
         return True
 
     def _worth_a_step(self, adm: _Admission) -> bool:
