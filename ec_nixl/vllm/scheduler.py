@@ -166,7 +166,10 @@ class SchedulerSide:
                 # instead of letting the engine spin through empty steps, which took a core from
                 # the encoder and the front-ends on a small host (the overlapped flow keeps
                 # requests waiting while their encoder runs).
-                holds = [it.hold for it in adm.items.values() if it.hold is not None]
+                # Any waiting request's answer ends the sleep: this step then admits it (vLLM
+                # goes on to the requests behind this one).
+                holds = [it.hold for a in self._reqs.values() for it in a.items.values()
+                         if it.hold is not None and not it.hold.done]
                 if holds and self.endpoint.wait_for(lambda: any(h.done for h in holds), self.opts.admission_wait_s):
                     return self.ensure_cache_available(request, num_computed_tokens)
             self.metrics.count("admission_defers")
