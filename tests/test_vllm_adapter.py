@@ -198,6 +198,26 @@ def test_producer_announces_items_and_never_delays_free(tiny_model):
     s.shutdown()
 
 
+def test_producer_does_not_republish_what_its_request_encoded(tiny_model):
+    """An item encoded for a request is published in that step; a consumer that asked before the
+    request finished (the overlapped flow) may already have read it, and E freed it. Publishing it
+    again at request_finished left a copy nobody reads for its whole lease (seen as one item left
+    on an encoder after the e2e round-robin test). Only encoder-cache hits are published there."""
+    from ec_nixl.vllm.options import parse_extra, placement
+    from ec_nixl.vllm.scheduler import SchedulerSide
+
+    vc = vllm_config(tiny_model, "ec_producer", port=15701)
+    vc.ec_transfer_config.mm_encoder_output_widths = {"image": WIDTH}
+    s = SchedulerSide(vc, parse_extra(vc.ec_transfer_config.ec_connector_extra_config), placement(vc, worker=False))
+    req = request("p2", [feature("enc"), feature("hit", offset=30)])
+    s.update_state_after_alloc(req, 0)  # "enc" is scheduled for encoding here; "hit" is a cache hit
+    assert s.build_connector_meta(None).publish == ["enc"], "an encoded item is published in its step"
+    _, params = s.request_finished(req)
+    assert set(params) == {"enc", "hit"}, "both are announced"
+    assert s.build_connector_meta(None).publish == ["hit"], "only the cache hit is published again"
+    s.shutdown()
+
+
 def test_consumer_loads_byte_exact_and_releases(producer, consumer_sides):
     vc, sched, worker = consumer_sides()
     producer.call("publish", [("img0", (ROWS, WIDTH), "bfloat16", 5)])

@@ -109,6 +109,7 @@ class SchedulerSide:
         self._unavailable: set[str] = set()
         self._worker_stats: Optional[dict] = None
         self._publish: list[str] = []
+        self._encoded_for: dict[str, set[str]] = {}  # producer: request id -> items encoded (so published) for it
         self._release: list[str] = []
         self._loaded: set[str] = set()  # remote items handed to workers, not yet released
         self._with_step: collections.deque[NixlECMetadata] = collections.deque()
@@ -406,6 +407,7 @@ class SchedulerSide:
             self._prefetched.discard(h)
         elif self.place.is_producer:
             self._publish.append(h)  # computed here (an ec_both engine does not re-serve loads)
+            self._encoded_for.setdefault(request.request_id, set()).add(h)
 
     def update_state_after_free(self, request, index: int) -> None:
         """The item's embeddings are in the KV cache: workers may give its pool slot back."""
@@ -470,6 +472,7 @@ class SchedulerSide:
 
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
         adm = self._reqs.pop(request.request_id, None)
+        encoded_here = self._encoded_for.pop(request.request_id, set())
         loaded_here: set[str] = set()  # ec_both: items that came from another producer
         if adm is not None:
             loaded_here = {h for h, it in adm.items.items() if it.status == "ready"}
@@ -495,7 +498,12 @@ class SchedulerSide:
             rows = f.mm_position.get_num_embeds()
             items[f.identifier] = P.ItemDesc(mm_hash=f.identifier, shape=[rows, width], dtype=self.dtype,
                                              nbytes=rows * width * P.DTYPE_SIZES[self.dtype])
-            self._publish.append(f.identifier)  # re-publish from the encoder cache if not published
+            if f.identifier not in encoded_here:
+                # An encoder-cache hit: published for an earlier request and maybe freed since.
+                # Not what this request's own step published: a consumer that asked before we
+                # finished (the overlapped flow) may have read and freed it already, and a copy
+                # published again would wait, unread, for its lease to end.
+                self._publish.append(f.identifier)
         if not items:
             return False, None
         base = None
