@@ -44,20 +44,20 @@ def timed(handler):
     return wrapped
 
 
-def stubs(e_handler, pd_handler) -> tuple[Stub, Stub]:
+async def overlap_proxy(stack: AsyncExitStack, e_handler, pd_handler) -> tuple[Stub, Stub, str]:
+    """One encoder stub, one PD stub (each recording when requests arrived) and the proxy."""
     e, pd = Stub("e0", e_handler), Stub("pd0", pd_handler)
     e.times, pd.times = [], []
-    return e, pd
+    await e.start(stack)
+    await pd.start(stack)
+    return e, pd, await start_proxy(stack, [e.url], [pd.url], flow="overlap")
 
 
 def test_first_request_learns_the_producer_then_pd_runs_beside_the_encoder():
     async def main() -> None:
         release = asyncio.Event()
         async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
-            e, pd = stubs(encoder(release), timed(pd_echo))
-            await e.start(stack)
-            await pd.start(stack)
-            proxy = await start_proxy(stack, [e.url], [pd.url], flow="overlap")
+            e, pd, proxy = await overlap_proxy(stack, encoder(release), timed(pd_echo))
             # 1st: E then PD, with E's params as they are (the proxy does not know the producer yet)
             status, answer = await post(s, proxy, IMAGE_CHAT)
             assert status == 200 and answer["received"] == dict(IMAGE_CHAT, ec_transfer_params=E_PARAMS)
@@ -98,10 +98,7 @@ def test_encoder_failure_before_the_pd_answers_cancels_it_and_resends_without_pa
             return await pd_echo(stub, request, body)
 
         async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
-            e, pd = stubs(e_handler, pd_handler)
-            await e.start(stack)
-            await pd.start(stack)
-            proxy = await start_proxy(stack, [e.url], [pd.url], flow="overlap")
+            e, pd, proxy = await overlap_proxy(stack, e_handler, pd_handler)
             assert (await post(s, proxy, IMAGE_CHAT))[0] == 200  # learns the producer
             e_state["fail"] = True
             t0 = time.monotonic()
@@ -132,10 +129,7 @@ def test_encoder_bad_request_is_answered_as_is():
             return await pd_echo(stub, request, body)
 
         async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
-            e, pd = stubs(e_handler, pd_slow)
-            await e.start(stack)
-            await pd.start(stack)
-            proxy = await start_proxy(stack, [e.url], [pd.url], flow="overlap")
+            e, pd, proxy = await overlap_proxy(stack, e_handler, pd_slow)
             assert (await post(s, proxy, IMAGE_CHAT))[0] == 200
             status, answer = await post(s, proxy, IMAGE_CHAT)
             assert status == 400 and "image too large" in answer["error"]["message"], answer
