@@ -33,16 +33,25 @@ PIP=("$PY" -m pip -q)
 # Install only when the requirements changed since the last successful run (pip alone takes ~10 s
 # to find that nothing is to do).
 # mooncake-transfer-engine (ec-nixl bench serve's ECMooncakeConnector peer) links libibverbs.so.1,
-# even for TCP: Debian's libibverbs1. Installed when missing and we can; else that deployment fails
-# to start with the loader's error (the rest of the suite does not need it).
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 >/dev/null 2>&1 ||
-            { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libibverbs1 >/dev/null; } ||
-            echo "setup_env: could not install libibverbs1 (ECMooncakeConnector cannot start here)" >&2
+# even for TCP. NOT installed system-wide: with a system libibverbs, UCX (inside the nixl wheels)
+# loads its EFA transport, which pulls the system libnl next to the wheel's own copy, and every
+# NIXL process then segfaults at exit in libnl's destructor (seen 2026-12-04: pytest exit 139).
+# Debian's libibverbs1 and its libnl go into $VENV/opt/ibverbs instead; bench serve puts that on
+# LD_LIBRARY_PATH of its Mooncake instances only. Without apt it is skipped (that deployment
+# then fails to start, with the loader's error; nothing else needs it).
+IBV=$VENV/opt/ibverbs
+if [ ! -e "$IBV/libibverbs.so.1" ] && command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then
+    tmp=$(mktemp -d)
+    pkgs="libibverbs1 libnl-3-200 libnl-route-3-200"
+    if (cd "$tmp" && apt-get download $pkgs >/dev/null 2>&1) ||
+        { [ "$(id -u)" = 0 ] && apt-get update -q >/dev/null 2>&1 && (cd "$tmp" && apt-get download $pkgs >/dev/null 2>&1); }; then
+        mkdir -p "$IBV"
+        for deb in "$tmp"/*.deb; do dpkg-deb -x "$deb" "$tmp/x"; done
+        find "$tmp/x" -name 'lib*.so*' -exec cp -a {} "$IBV"/ \;  # (bookworm's libnl is under /lib, not /usr/lib)
     else
-        echo "setup_env: libibverbs1 missing and not root: ECMooncakeConnector cannot start here" >&2
+        echo "setup_env: could not fetch libibverbs1 (ECMooncakeConnector cannot start here)" >&2
     fi
+    rm -rf "$tmp"
 fi
 
 STAMP=$VENV/.ec-nixl-requirements.sha256

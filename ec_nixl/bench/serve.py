@@ -14,7 +14,8 @@ deployments:
 * ``example``: 1 E + 1 PD with vLLM's ECExampleConnector (disk), E then PD;
 * ``mooncake``: 1 E + 1 PD with vLLM's ECMooncakeConnector (over TCP on CPU), driven by the
   protocol it expects (the E request names the consumer; ``proxy --flow mooncake``). Needs
-  ``mooncake-transfer-engine-non-cuda`` (and Debian's ``libibverbs1``) on CPU; on vLLM's CPU
+  ``mooncake-transfer-engine-non-cuda`` and ``libibverbs.so.1`` on CPU (``scripts/setup_env.sh``
+  puts Debian's into ``VENV/opt/ibverbs``, used by these instances only); on vLLM's CPU
   backend its instances get a fix of a vLLM gap (``mooncake_shim/sitecustomize.py``).
 
 Reported per (images, concurrency): each deployment's TTFT p50/p99, req/s and failures (medians
@@ -123,6 +124,9 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
         extra = {"mooncake_protocol": "rdma" if _cuda() else "tcp"}
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "mooncake_shim"), env["PYTHONPATH"]])
         env["EC_NIXL_BENCH_MOONCAKE_NOFORWARD_FIX"] = "1"
+        ibv = Path(sys.prefix) / "opt" / "ibverbs"  # scripts/setup_env.sh puts libibverbs there, not system-wide
+        if ibv.is_dir():
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(ibv), os.environ.get("LD_LIBRARY_PATH", "")) if p)
     cfg = LaunchConfig(model=model, connector=CONNECTOR[name], port=port, base_port=port + 10,
                        ec_base_port=port + 50, vllm_args=vllm_args, log_dir=log_dir, env=env,
                        ec_buffer_device="cpu" if not _cuda() else None, ec_buffer_size=POOL_BYTES,
