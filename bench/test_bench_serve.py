@@ -53,8 +53,10 @@ def test_bench_serve_runs_every_deployment(tmp_path):
     assert "| 1 | 2 | nixl |" in r.stdout and "p50 ÷ example" in r.stdout, r.stdout[-3000:]
     # The NixlEC run moved its items over NIXL (none re-encoded on the PD), and the overlapped
     # flow was used: after the first request, the PD expected items before E answered.
-    pd = next(p["pd"] for p in res["phases"] if p["deployment"] == "nixl")
+    pd, e = next((p["pd"], p["e"]) for p in res["phases"] if p["deployment"] == "nixl")
     assert pd.get("loads_landed", 0) >= 6 and pd.get("local_fallbacks", 0) == 0, pd
     assert pd.get("expected_items", 0) >= 1, pd
+    # E's side, read over its side channel: it published every image, and PD's Holds waited there
+    assert e.get("published", 0) >= 6 and e.get("holds_parked", 0) >= 1 and "publish_ms" in e, e
     if (out / "r.png").exists():  # matplotlib is in the test requirements; the plot is optional otherwise
         assert (out / "r.png").stat().st_size > 1000

@@ -114,7 +114,7 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
         with Supervisor() as sup:
             sup.spawn(inst)
             sup.wait_healthy([inst], 900.0)
-            yield {"url": inst.url, "pd": inst.url, "e": None}
+            yield {"url": inst.url, "pd": inst.url, "e": None, "e_ec": None}
         return
     # The launcher picks each connector's proxy flow (NixlEC: overlap; ECMooncake: push to the
     # PD named in the E request); nixl-seq forces the plain E-then-PD flow.
@@ -136,7 +136,9 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
         c.wait_ready()
         pd = next(i for i in c.instances if i.role == "pd")
         e = next(i for i in c.instances if i.role == "encoder")
-        yield {"url": c.proxy_url, "pd": pd.url, "e": e.url}
+        ec = e.ec_transfer_config or {}
+        e_ec = f"{ec.get('ec_ip')}:{ec.get('ec_port')}" if CONNECTOR[name] == "NixlECConnector" else None
+        yield {"url": c.proxy_url, "pd": pd.url, "e": e.url, "e_ec": e_ec}
 
 
 def _cuda() -> bool:
@@ -176,6 +178,32 @@ def scrape(url: Optional[str]) -> dict[str, Any]:
 
 def _r(v: Optional[float]) -> Optional[float]:
     return None if v is None else round(v, 1)
+
+
+def producer_stats(address: Optional[str]) -> dict[str, Any]:
+    """E's own side over its side channel (what ``ec-nixl status`` prints): vLLM's V1 runner drops
+    an encode-only worker's output, so E's publish time and parked Holds are not in its /metrics."""
+    if not address:
+        return {}
+    from ec_nixl.config import EndpointConfig
+    from ec_nixl.endpoint import Endpoint
+
+    try:
+        ep = Endpoint(EndpointConfig(name=f"bench-serve-status-{os.getpid()}-{time.monotonic_ns()}", pool_bytes=0,
+                                     threaded=True, observer=True))
+        try:
+            st = ep.query_stats(address, timeout=5.0)
+        finally:
+            ep.close()
+    except Exception as e:  # statistics are extra: never fail the run for them
+        return {"error": str(e)[:200]}
+    c = st.get("counters", {})
+    out: dict[str, Any] = {k: int(c.get(k, 0)) for k in ("published", "staging_copies", "holds_parked")}
+    pub = (st.get("phases") or {}).get("publish") or []
+    if pub:
+        out["publish_ms"] = round(statistics.mean(pub) * 1e3, 3)
+    out["pool_used"] = (st.get("pool") or {}).get("used")
+    return out
 
 
 def points(args) -> list[tuple[int, int]]:
@@ -317,7 +345,8 @@ def main(argv: Optional[list] = None) -> int:
             try:
                 with deployment(d, model, args.port + 100 * i, args.out / tag, vllm_args) as urls:
                     got = drive(args, model, urls["url"], tag, rnd, args.out)
-                    phases.append({"round": rnd, "deployment": d, "pd": scrape(urls["pd"]), "e": scrape(urls["e"])})
+                    phases.append({"round": rnd, "deployment": d, "pd": scrape(urls["pd"]),
+                                   "e": producer_stats(urls["e_ec"])})
             except Exception as e:  # a deployment that cannot start is reported, the others still run
                 print(f"  {tag}: failed to run: {e}", flush=True)
                 got = [{"images": n, "concurrency": c, "completed": 0, "failed": args.prompts, "req_s": None,
@@ -332,7 +361,7 @@ def main(argv: Optional[list] = None) -> int:
     summary = summarize(rows, deps, args.reference)
     print()
     print(table(summary, args.reference))
-    print("\nconnector phases (means, ms; PD and E /metrics at the end of each run):")
+    print("\nconnector phases (means, ms; PD's /metrics and E's side channel at the end of each run):")
     for ph in phases:
         if ph["pd"] or ph["e"]:
             print(f"  r{ph['round']} {ph['deployment']}: PD {ph['pd']} E {ph['e']}")
