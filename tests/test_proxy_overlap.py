@@ -135,3 +135,23 @@ def test_encoder_bad_request_is_answered_as_is():
             assert status == 400 and "image too large" in answer["error"]["message"], answer
 
     run(main())
+
+
+def test_an_empty_pd_answer_is_passed_on_not_asked_again():
+    """The overlapped PD call's first read may be empty (a body-less answer): that is its answer,
+    and the PD must not get the request a second time."""
+    async def main() -> None:
+        async def e_handler(stub: Stub, request: web.Request, body: Any) -> web.Response:
+            return web.json_response({"choices": [], "ec_transfer_params": E_PARAMS})
+
+        async def pd_empty(stub: Stub, request: web.Request, body: Any) -> web.Response:
+            return web.Response(status=200, body=b"", content_type="application/json")
+
+        async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
+            e, pd, proxy = await overlap_proxy(stack, e_handler, pd_empty)
+            for _ in range(2):  # the 1st learns the producer, the 2nd is overlapped
+                async with s.post(proxy + "/v1/chat/completions", json=IMAGE_CHAT) as r:
+                    assert r.status == 200 and await r.read() == b""
+            assert len(pd.seen) == 2, [b.get("ec_transfer_params") for _, b in pd.seen]
+
+    run(main())

@@ -295,6 +295,9 @@ class Proxy:
             resp = await self._call("pd", url, "POST", path, t, json=b, headers=headers)
             try:
                 return resp, await resp.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as e:
+                resp.close()
+                raise BackendError(502, "pd", url, f"{type(e).__name__}: {e}") from e
             except BaseException:
                 resp.close()
                 raise
@@ -309,21 +312,22 @@ class Proxy:
         e_error = e_task.exception() if e_task.done() else None
         if e_error is None or pd_task.done():
             e_task.add_done_callback(_log_late_encoder_failure)
-            try:
-                pd, first = await pd_task
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionResetError) as e:
-                raise BackendError(502, "pd", url, f"{type(e).__name__}: {e}") from e
+            pd, first = await pd_task
             return url, pd, first, ""
         # The encoder failed before the PD answered anything: the PD would wait for items that
         # will not come. Cancel it (vLLM aborts a request whose connection closes) and do what
         # the pull flow does with an encoder failure.
         pd_task.cancel()
         await asyncio.gather(pd_task, return_exceptions=True)
-        if not isinstance(e_error, BackendError) or not self.cfg.encoder_fallback or 400 <= e_error.status < 500:
+        if not isinstance(e_error, BackendError) or not self._falls_back(e_error):
             raise e_error
         log.warning("%s: %s; the PD encodes it instead", path, e_error)
         pd, first = await first_bytes(body)
         return url, pd, first, str(e_error)[:300]
+
+    def _falls_back(self, e: BackendError) -> bool:
+        """An encoder failure the PD covers by encoding itself (``encoder_fallback``; never a 4xx)."""
+        return self.cfg.encoder_fallback and not 400 <= e.status < 500
 
     async def _post_encoder(self, url: str, path: str, e_body: dict[str, Any], headers: dict[str, str]) -> Any:
         """Send ``e_body`` to encoder ``url``; its answer's top-level ``ec_transfer_params``."""
@@ -362,6 +366,7 @@ class Proxy:
         t0 = time.perf_counter()
         fallback = ""
         first = b""
+        pd: Optional[aiohttp.ClientResponse] = None  # opened by the overlapped flow, else below
         e_url = next(self._rr["encoder"]) if self.cfg.flow == "overlap" and needs_encoder(body) else None
         try:
             if e_url is not None and e_url in self._producers:
@@ -375,7 +380,7 @@ class Proxy:
                         # (flow overlap: the first request to each encoder learns its producer)
                         params = await self._encode(request.path, body, headers, e_url)
                     except BackendError as e:
-                        if not self.cfg.encoder_fallback or 400 <= e.status < 500:
+                        if not self._falls_back(e):
                             raise
                         fallback = str(e)[:300]
                         log.warning("%s %s: %s; the PD encodes it instead", request.method, request.path, e)
@@ -384,7 +389,7 @@ class Proxy:
                         body = dict(body, ec_transfer_params=params)
                 url = next(self._rr["pd"])
             t_enc = time.perf_counter() - t0
-            if not first:
+            if pd is None:
                 t = self._timeout(read=self.cfg.pd_timeout_s)
                 pd = await self._call("pd", url, "POST", request.path, t, json=body, headers=headers)
         except BackendError as e:
