@@ -38,8 +38,7 @@ from ec_nixl import protocol as P
 from ec_nixl.config import EndpointConfig, split_address
 from ec_nixl.errors import ConfigError, ECNixlError, ProtocolError
 from ec_nixl.handshake import Identity, Session
-from ec_nixl.loop import TICK_S as P_TICK
-from ec_nixl.loop import OwnerLoop
+from ec_nixl.loop import TICK_S, OwnerLoop
 from ec_nixl.metrics import Metrics
 from ec_nixl.published import Published
 from ec_nixl.pusher import Pusher
@@ -51,6 +50,15 @@ _MAX_HELLO_NONCES = 1 << 16  # handshakes remembered against replay
 _MAX_PARKED = 4096  # waiting Holds kept at once; beyond that a Hold is answered at once
 _PROBES_S = (0.0, 0.02, 0.1, 0.5, 2.0)
 """When to probe a consumer after its connection dropped: ZMQ removes the route a little later."""
+
+
+def _readers(msg) -> int:
+    """A Hold's or Get's reader count, within the bounds the table accepts."""
+    return max(1, min(int(msg.readers), 1024))
+
+
+def _all_ready(items: list[P.ItemState]) -> bool:
+    return all(st.status == "ready" for st in items)
 
 
 class Server:
@@ -88,7 +96,7 @@ class Server:
         loop.add_socket(self._sock, self._serve_some)
         loop.add_socket(self._monitor, self._on_monitor)
         loop.every_tick(self._tick)
-        loop.idle_hint(lambda: P_TICK if self._parked else None)
+        loop.idle_hint(lambda: TICK_S if self._parked else None)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -233,11 +241,10 @@ class Server:
         return self.published
 
     def _on_hold_or_get(self, identity: bytes, s: Session, msg) -> None:
-        readers = max(1, min(int(msg.readers), 1024))
-        items = self._table().grant(s.id, s.group, msg.mm_hashes, readers, getattr(msg, "reader", 0),
+        items = self._table().grant(s.id, s.group, msg.mm_hashes, _readers(msg), getattr(msg, "reader", 0),
                                     pin=isinstance(msg, P.Get))
         wait = float(getattr(msg, "wait_s", 0.0) or 0.0)
-        if wait > 0 and len(self._parked) < _MAX_PARKED and any(st.status != "ready" for st in items):
+        if wait > 0 and len(self._parked) < _MAX_PARKED and not _all_ready(items):
             self._parked.append((time.monotonic() + min(wait, P.MAX_HOLD_WAIT_S), identity, s.id, msg))
             self.metrics.count("holds_parked")
             return
@@ -255,9 +262,8 @@ class Server:
             s = self._sessions.get(sid)
             if s is None or s.identity != identity:
                 continue
-            items = self._table().grant(s.id, s.group, msg.mm_hashes, max(1, min(int(msg.readers), 1024)), 0,
-                                        pin=False)
-            if now < deadline and any(st.status != "ready" for st in items):
+            items = self._table().grant(s.id, s.group, msg.mm_hashes, _readers(msg), 0, pin=False)
+            if now < deadline and not _all_ready(items):
                 keep.append((deadline, identity, sid, msg))
                 continue
             self.reply(identity, P.Grant(req=msg.req, items=items))

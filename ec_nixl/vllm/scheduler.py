@@ -61,7 +61,6 @@ class _Item:
     hold: Optional[HoldRequest] = None
     next_try: float = 0.0
     detail: str = ""
-    expected: bool = False  # asked for before its encoder finished (ec_nixl_expect): Holds wait
 
 
 @dataclass
@@ -72,7 +71,7 @@ class _Admission:
     """Features whose placeholder ends at or below this many computed tokens are not decided yet
     (the request had them computed when first seen)."""
     remote: dict[str, RemoteItem] = field(default_factory=dict)  # every valid item of its params
-    expected: set[str] = field(default_factory=set)  # of remote: items its encoder had not finished
+    expected: set[str] = field(default_factory=set)  # of remote: not encoded yet (ec_nixl_expect): Holds wait
     errors: dict[str, str] = field(default_factory=dict)  # per-item problems with its params
     t0: float = field(default_factory=time.monotonic)
     failed: str = ""
@@ -288,7 +287,7 @@ class SchedulerSide:
             remote = adm.remote.get(h)
             if remote is not None:
                 if h not in adm.items:
-                    adm.items[h] = _Item(remote, self._has_media(f), end, expected=h in adm.expected)
+                    adm.items[h] = _Item(remote, self._has_media(f), end)
                     self._users.setdefault(h, set()).add(rid)
                     added = True
             elif not self._has_media(f):
@@ -308,7 +307,7 @@ class SchedulerSide:
         by_producer: dict[tuple[str, bool], list[str]] = {}
         for h, it in adm.items.items():
             if it.status == "holding" and it.hold is None and now >= it.next_try:
-                by_producer.setdefault((it.remote.producer, it.expected), []).append(h)
+                by_producer.setdefault((it.remote.producer, h in adm.expected), []).append(h)
         for (producer, expected), hashes in by_producer.items():
             # Expected items: the producer answers when they are published (or at the end of
             # the wait), so their READ starts the moment the bytes exist, with no polling.
@@ -326,8 +325,9 @@ class SchedulerSide:
         hold = it.hold
         state = hold.states[h]
         incarnation, it.hold = hold.incarnation, None
+        expected = h in adm.expected
         if h == hold.mm_hashes[0]:  # one sample per Hold
-            self.metrics.phase("expect_wait" if it.expected else "hold_rtt", hold.t_answered - hold.t_asked)
+            self.metrics.phase("expect_wait" if expected else "hold_rtt", hold.t_answered - hold.t_asked)
             self.metrics.phase("hold_seen", now - hold.t_asked)
         if state.status == "ready":
             try:
@@ -342,7 +342,7 @@ class SchedulerSide:
                 self._prefetch.append(LoadSpec(adm.req_id, spec.desc, spec.producer, spec.block,
                                                spec.valid_until, spec.incarnation))
             return
-        grace = self.opts.expect_wait_s if it.expected else self.opts.missing_grace_s
+        grace = self.opts.expect_wait_s if expected else self.opts.missing_grace_s
         retry = state.status in _RETRY or (state.status == P.Nack.MISSING.value and now - adm.t0 < grace)
         if retry and now - adm.t0 < self.opts.admission_timeout_s:
             it.next_try = now + min(0.05, 0.002 * (1 + now - adm.t0) * 10)
