@@ -9,7 +9,7 @@ deployments:
 
 * ``colocated``: one vLLM instance, no EC connector (on all the cores the others share);
 * ``nixl``: 1 E + 1 PD with NixlECConnector behind ``ec-nixl serve-disagg``'s proxy in its
-  overlapped flow (the PD gets the request while E encodes; ``proxy --overlap``);
+  overlapped flow (the PD gets the request while E encodes; ``proxy --flow overlap``);
 * ``nixl-seq``: the same with the plain E-then-PD flow;
 * ``example``: 1 E + 1 PD with vLLM's ECExampleConnector (disk), E then PD;
 * ``mooncake``: 1 E + 1 PD with vLLM's ECMooncakeConnector (over TCP on CPU), driven by the
@@ -46,7 +46,6 @@ CONNECTOR = {"nixl": "NixlECConnector", "nixl-seq": "NixlECConnector", "example"
              "mooncake": "ECMooncakeConnector"}
 CPU_VLLM_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "8", "--enforce-eager", "--dtype", "bfloat16",
                  "--limit-mm-per-prompt", '{"image":4,"video":0}']
-PHASES = ("admit", "hold_rtt", "expect_wait", "hold_seen", "publish")
 COUNTERS = ("admitted", "admission_steps", "prefetch_defers", "local_fallbacks", "loads_landed", "expected_items")
 SCHEMA = "ec-nixl-bench-serve/1"
 POOL_BYTES = 256 << 20  # ec_buffer_size of the NixlEC and ECMooncake instances (Mooncake's default is 1 GB)
@@ -114,14 +113,15 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
         with Supervisor() as sup:
             sup.spawn(inst)
             sup.wait_healthy([inst], 900.0)
-            yield {"url": inst.url, "pd": inst.url, "e": None, "e_ec": None}
+            yield {"url": inst.url, "pd": inst.url, "e_ec": None}
         return
     # The launcher picks each connector's proxy flow (NixlEC: overlap; ECMooncake: push to the
     # PD named in the E request); nixl-seq forces the plain E-then-PD flow.
     proxy_args = ["--flow", "pull"] if name == "nixl-seq" else []
     extra: dict[str, Any] = {}
+    cuda = _cuda()
     if name == "mooncake":
-        extra = {"mooncake_protocol": "rdma" if _cuda() else "tcp"}
+        extra = {"mooncake_protocol": "rdma" if cuda else "tcp"}
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent / "mooncake_shim"), env["PYTHONPATH"]])
         env["EC_NIXL_BENCH_MOONCAKE_NOFORWARD_FIX"] = "1"
         ibv = Path(sys.prefix) / "opt" / "ibverbs"  # scripts/setup_env.sh puts libibverbs there, not system-wide
@@ -129,7 +129,7 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
             env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(ibv), os.environ.get("LD_LIBRARY_PATH", "")) if p)
     cfg = LaunchConfig(model=model, connector=CONNECTOR[name], port=port, base_port=port + 10,
                        ec_base_port=port + 50, vllm_args=vllm_args, log_dir=log_dir, env=env,
-                       ec_buffer_device="cpu" if not _cuda() else None, ec_buffer_size=POOL_BYTES,
+                       ec_buffer_device=None if cuda else "cpu", ec_buffer_size=POOL_BYTES,
                        proxy_args=proxy_args, extra_config=extra, startup_timeout_s=900.0)
     with Cluster(cfg) as c:
         c.start()
@@ -138,7 +138,7 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
         e = next(i for i in c.instances if i.role == "encoder")
         ec = e.ec_transfer_config or {}
         e_ec = f"{ec.get('ec_ip')}:{ec.get('ec_port')}" if CONNECTOR[name] == "NixlECConnector" else None
-        yield {"url": c.proxy_url, "pd": pd.url, "e": e.url, "e_ec": e_ec}
+        yield {"url": c.proxy_url, "pd": pd.url, "e_ec": e_ec}
 
 
 def _cuda() -> bool:
@@ -152,6 +152,8 @@ def _cuda() -> bool:
 
 def scrape(url: Optional[str]) -> dict[str, Any]:
     """An instance's NixlEC phases (mean ms) and counters from its Prometheus text ({} if none)."""
+    from ec_nixl.metrics import PHASES
+
     if not url:
         return {}
     try:

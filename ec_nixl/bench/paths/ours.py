@@ -204,7 +204,7 @@ def stage_unpublished(prod, tag: str, spec: tuple, n_ops: int, per_op: int) -> l
 def publish_when_parked(prod, group: str, parked: int, timeout: float = 30.0) -> tuple[float, list]:
     """``publish_staged`` once this producer has parked ``parked`` waiting Holds in all (untimed)."""
     deadline = time.monotonic() + timeout
-    while prod.ep.stats()["counters"].get("holds_parked", 0) < parked:
+    while prod.ep.metrics.counters.get("holds_parked", 0) < parked:  # (not stats(): it copies every sample)
         if time.monotonic() > deadline:
             raise RuntimeError(f"no waiting Hold reached the producer in {timeout:.0f}s")
         time.sleep(0.0002)
