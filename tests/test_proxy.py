@@ -86,6 +86,11 @@ async def pd_echo(stub: Stub, request: web.Request, body: Any) -> web.Response:
     return web.json_response({"served_by": stub.name, "received": body})
 
 
+async def fail(stub: Stub, request: web.Request, body: Any) -> web.Response:
+    """A backend that answers every request 500."""
+    return web.json_response({"error": "boom"}, status=500)
+
+
 def dead_url() -> str:
     """A URL on which nothing listens (connection refused)."""
     with socket.socket() as s:
@@ -190,9 +195,6 @@ def test_dead_or_failing_backends_are_named():
     async def hang(stub: Stub, request: web.Request, body: Any) -> web.Response:
         await asyncio.sleep(30)
         return web.Response(text="late")
-
-    async def fail(stub: Stub, request: web.Request, body: Any) -> web.Response:
-        return web.json_response({"error": "boom"}, status=500)
 
     async def reject(stub: Stub, request: web.Request, body: Any) -> web.Response:
         return web.json_response({"error": "too many images"}, status=400)

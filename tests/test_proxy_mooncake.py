@@ -27,7 +27,7 @@ from ec_nixl.disagg.proxy import (
     mooncake_pd_body,
     parse_args,
 )
-from test_proxy import IMAGE_CHAT, TEXT_CHAT, Stub, dead_url, pd_echo, post, run, start_proxy
+from test_proxy import IMAGE_CHAT, TEXT_CHAT, Stub, dead_url, fail, pd_echo, post, run, start_proxy
 
 ZMQ = ["tcp://127.0.0.1:15608", "tcp://127.0.0.1:15616"]
 
@@ -157,9 +157,6 @@ def test_mooncake_flow_end_to_end_through_stubs():
 def test_mooncake_flow_has_no_encoder_fallback():
     """A Mooncake PD never encodes by itself: an encoder failure is an error naming the encoder
     (even with encoder_fallback on), not a PD request that waits out its push timeout."""
-
-    async def fail(stub: Stub, request: web.Request, body: Any) -> web.Response:
-        return web.json_response({"error": "boom"}, status=500)
 
     async def main() -> None:
         async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
