@@ -115,9 +115,9 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
             sup.wait_healthy([inst], 900.0)
             yield {"url": inst.url, "pd": inst.url, "e_ec": None}
         return
-    # The launcher picks each connector's proxy flow (NixlEC: overlap; ECMooncake: push to the
-    # PD named in the E request); nixl-seq forces the plain E-then-PD flow.
-    proxy_args = ["--flow", "pull"] if name == "nixl-seq" else []
+    # The launcher picks each connector's proxy flow (ECMooncake: push to the PD named in the E
+    # request; others E then PD); nixl asks for the overlapped flow.
+    proxy_args = ["--flow", "overlap"] if name == "nixl" else []
     extra: dict[str, Any] = {}
     cuda = _cuda()
     if name == "mooncake":

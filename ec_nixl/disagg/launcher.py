@@ -194,11 +194,11 @@ def plan(cfg: LaunchConfig) -> list[Instance]:
 
 
 def proxy_flow(cfg: LaunchConfig, backends: list[Instance]) -> list[str]:
-    """The proxy's request flow for this connector (``proxy_args`` may still override it):
-    NixlECConnector overlaps the PD with the encoder; ECMooncakeConnector's encoder must be told
-    which consumer to push to (each PD's ``tcp://ec_ip:ec_port``); others go E then PD."""
-    if cfg.connector == "NixlECConnector":
-        return ["--flow", "overlap"]
+    """The proxy's request flow for this connector (``proxy_args`` may still override it, e.g.
+    ``--flow overlap`` for NixlECConnector): ECMooncakeConnector's encoder must be told which
+    consumer to push to (each PD's ``tcp://ec_ip:ec_port``); others go E then PD. The overlapped
+    flow is opt-in: its cancel-and-resend after an encoder failure can meet vLLM 0.32's
+    multimodal processor-cache drift (docs/RELIABILITY.md, known gaps)."""
     if cfg.connector == "ECMooncakeConnector":
         addrs = [f"tcp://{b.ec_transfer_config['ec_ip']}:{b.ec_transfer_config['ec_port']}"
                  for b in backends if b.role == "pd" and b.ec_transfer_config]

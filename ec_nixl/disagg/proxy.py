@@ -25,7 +25,7 @@ errors. The answer then carries the header ``X-EC-Fallback`` naming the encoder 
 
     python -m ec_nixl.disagg.proxy --encoders http://127.0.0.1:8100 --pd http://127.0.0.1:8200 --port 8000
 
-``--flow overlap`` (what ``ec-nixl serve-disagg`` runs for NixlECConnector) sends the PD its request
+``--flow overlap`` (NixlECConnector only; opt-in, also through ``ec-nixl serve-disagg --proxy-args``) sends the PD its request
 at the same time as the encoder, instead of after the encoder's answer: the PD's own preprocessing
 (image decoding, the processor, tokenization) and its scheduling overlap the encoder's work, and
 its transfer starts the moment the encoder publishes, before the encoder has even answered. The
