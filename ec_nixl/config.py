@@ -65,13 +65,18 @@ class EndpointConfig:
     heartbeat_s: float = 1.0
     peer_timeout_s: float = 5.0
     """A peer silent (or unreachable) this long while work is pending is declared dead."""
-    link_timeout_s: float = 10.0
-    """A consumer-producer connection that answers no transport-level ping for this long is
-    dropped, on either side. Both ends ping every ``heartbeat_s`` (ZMTP heartbeats, answered by
-    ZMQ's own I/O thread: an idle or busy peer answers, a stopped, hung or cut-off one does not).
-    A consumer then loses its link; a producer ends the sessions of a dropped (or closed)
-    connection at once (pins, pushes, interest), and frees items that only those sessions' group
-    held this long after unless they are claimed again."""
+    link_timeout_s: float = 2.0
+    """How long a producer may be unreachable before a consumer gives up on it, and the bound on
+    how long a request waits for an unreachable producer before it is encoded locally (the
+    request waits this plus at most a quarter of it). Counted on the connection itself: ZMTP
+    pings every ``min(heartbeat_s, link_timeout_s / 4)``, sent and answered by ZMQ's own I/O
+    thread on both sides, so an idle, busy or slow peer (encoding, under load, holding the GIL)
+    answers, and only a stopped, hung or cut-off one does not. A consumer then loses its link (a
+    connection attempt that gets no transport handshake this long fails too; a refused one fails
+    at once); a producer ends the sessions of a dropped (or closed) connection at once (pins,
+    pushes, interest), and frees items that only those sessions' group held this long after
+    unless they are claimed again. Raise it on links that can stall for longer without being
+    gone (a consumer then waits that long for a producer that is)."""
     quarantine_s: float = 10.0
     """A slot whose DMA outcome is unknown stays unused at least this long."""
     probe_bytes: int = 1 << 20

@@ -46,11 +46,13 @@ class Identity:
 
 
 def keep_alive(sock: zmq.Socket, cfg: EndpointConfig) -> None:
-    """Ping the peers of ``sock`` every ``heartbeat_s`` and drop a connection that answers nothing
-    for ``link_timeout_s`` (ZMTP heartbeats: ZMQ's own I/O thread sends and answers them, so a
-    peer that is idle, busy, or not running its event loop still answers; a stopped, hung or cut-off
-    one does not). Set before connect or bind."""
-    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(cfg.heartbeat_s * 1000)))
+    """Ping the peers of ``sock`` and drop a connection that answers nothing for
+    ``link_timeout_s`` (ZMTP heartbeats: ZMQ's own I/O thread sends and answers them, so a peer
+    that is idle, busy, or not running its event loop still answers; a stopped, hung or cut-off
+    one does not). Pings go every ``heartbeat_s`` but at least four times per timeout, so that a
+    cut is noticed between ``link_timeout_s`` and 1.25 times it. Set before connect or bind."""
+    ivl = min(cfg.heartbeat_s, cfg.link_timeout_s / 4)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(ivl * 1000)))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(cfg.link_timeout_s * 1000)))
 
 

@@ -7,10 +7,16 @@ probe chose. ``Links`` runs them on the owner thread and carries the asynchronou
 is told when a link becomes ready, goes down, or delivers a reply that is not a query answer,
 and it says whether it has work on a link (only then does a producer's silence count).
 
-A link never blocks: handshakes are resent with back-off, a silent producer is declared lost
-after ``peer_timeout_s`` while work is pending (and after ``link_timeout_s`` without answering
-transport-level pings, idle or not), and a link that failed stays failed for a short while, its
-socket closed, so that callers fail fast instead of hammering a dead address.
+A link never blocks, and an unreachable producer is noticed within ``link_timeout_s`` (2 s by
+default) however the network fails: a connection attempt that is refused fails at once, one that
+gets no transport handshake (ZMTP) in ``link_timeout_s`` fails then (a silent or cut-off host),
+and a ready link whose transport-level pings go unanswered that long is lost (ZMQ's I/O threads
+answer them on both sides, so a producer that is busy, slow to publish or starved of the GIL
+still counts as alive; only ``peer_timeout_s`` of silence from its event loop while work is
+pending declares *that* lost). Handshakes are resent with back-off. A link that failed stays
+failed for a while, its socket closed, so that callers fail fast (their requests encode locally)
+instead of each waiting on a dead address; the while doubles with each failure in a row
+(``FAILED_BACKOFF_S`` up to ``FAILED_BACKOFF_MAX_S``), and a handshake resets it.
 """
 
 from __future__ import annotations
@@ -41,7 +47,10 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: the flag Enum
 logger = logging.getLogger("ec_nixl")
 
 FAILED_BACKOFF_S = 0.5
-"""A failed link is reused (failing new work at once) this long before it is retried."""
+"""A failed link is reused (failing new work at once) this long before it is retried; doubled
+for each further failure in a row, up to ``FAILED_BACKOFF_MAX_S`` (a partition costs one request
+per retry ``link_timeout_s``, the others fail over to local encoding at once)."""
+FAILED_BACKOFF_MAX_S = 4.0
 
 
 HELLO_RESEND_S = 0.2
@@ -71,6 +80,8 @@ class Link:
         self.last_hb = self.t_start
         self.hellos = 1  # Hellos sent (resends back off: a slow producer must not get a flood)
         self.hello_dropped = False  # the last Hello found no connection yet: send it once ZMTP is up
+        self.connected = False  # ZMTP handshake done (the host answers); reset by a disconnect
+        self.t_unconnected = self.t_start  # since when there has been no connection
         self.idle = True  # no work pending at the last tick
         self.queries: dict[int, "HoldRequest | StatsRequest"] = {}  # req -> query awaiting its answer
         self.unsent: list["HoldRequest | StatsRequest"] = []  # queries waiting for the handshake
@@ -126,6 +137,7 @@ class Links:
         self._ctx = zmq.Context.instance()
         self._links: dict[str, Link] = {}
         self._by_session: dict[str, Link] = {}
+        self._failures: dict[str, int] = {}  # address -> failed attempts in a row (back-off)
         self._reqs = itertools.count(1)
         loop.every_tick(self.tick)
         loop.idle_hint(self._idle_hint)
@@ -205,7 +217,7 @@ class Links:
         link = self._links.get(address)
         if link is not None and link.state is not LinkState.FAILED:
             return link
-        if link is not None and time.monotonic() - link.t_start < FAILED_BACKOFF_S:
+        if link is not None and time.monotonic() - link.t_start < self.backoff(address):
             return link  # recently failed: do not hammer a dead address
         if link is not None:
             self._drop(link)
@@ -216,7 +228,8 @@ class Links:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         handshake.keep_alive(sock, self.cfg)  # a producer that stops answering is dropped, idle or not
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                                          | zmq.EVENT_CONNECT_RETRIED)
         host, port = split_address(address)
         sock.connect(f"tcp://{host}:{port}")
         logger.debug("connecting to producer %s", address)
@@ -226,6 +239,11 @@ class Links:
         self.loop.add_socket(monitor, lambda: self._on_monitor(link))
         self._send_hello(link)
         return link
+
+    def backoff(self, address: str) -> float:
+        """How long a failed link to ``address`` fails new work before it is retried."""
+        n = self._failures.get(address, 0)
+        return min(FAILED_BACKOFF_MAX_S, FAILED_BACKOFF_S * (1 << max(0, min(n - 1, 8))))
 
     def _send_hello(self, link: Link) -> None:
         """Send our Hello now. IMMEDIATE drops it while the connection is not up yet (a queued
@@ -272,6 +290,7 @@ class Links:
         link.move(LinkState.FAILED)
         link.error, link.reason = error, reason
         link.t_start = time.monotonic()
+        self._failures[link.address] = self._failures.get(link.address, 0) + 1
         self.listener.on_down(link, error, reason)
         self._finish_queries(link, reason, error)
         # The link stays (callers fail fast) but its socket goes: ZMQ would keep reconnecting to a
@@ -332,9 +351,18 @@ class Links:
             event = ev.get("event")
             if event == zmq.EVENT_DISCONNECTED and link.state is LinkState.READY:
                 self.lose(link, f"producer {link.address} disconnected")
-            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and link.state is LinkState.CONNECTING \
-                    and link.hello_dropped:
-                self._send_hello(link)
+            elif event == zmq.EVENT_DISCONNECTED and link.connected:
+                link.connected, link.t_unconnected = False, time.monotonic()
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and link.state is LinkState.CONNECTING:
+                link.connected = True
+                if link.hello_dropped:
+                    self._send_hello(link)
+            elif event == zmq.EVENT_CONNECT_RETRIED and link.state is LinkState.CONNECTING \
+                    and not link.connected:
+                # Nobody listens there (refused), or no route: a dead process on a live host is
+                # known at once; waiting for a producer that may start later is the caller's call.
+                return self.fail(link, f"producer {link.address} unreachable (connection refused or "
+                                 f"no route)", "UNREACHABLE")
 
     def _on_readable(self, link: Link) -> None:
         for _ in range(64):
@@ -405,6 +433,7 @@ class Links:
         unsent, link.unsent = link.unsent, []
         for q in unsent:
             self.send(link, q.message(link.session))
+        self._failures.pop(link.address, None)
         self.listener.on_ready(link)
 
     def _choose_mode(self, link: Link) -> str:
@@ -438,7 +467,10 @@ class Links:
         """Handshake resends and timeouts, query timeouts, heartbeats, silence."""
         for link in list(self._links.values()):
             if link.state is LinkState.CONNECTING:
-                if now - link.t_start > self.cfg.peer_timeout_s:
+                if not link.connected and now - link.t_unconnected > self.cfg.link_timeout_s:
+                    self.fail(link, f"producer {link.address} unreachable (no connection in "
+                              f"{self.cfg.link_timeout_s:.1f}s)", "UNREACHABLE")
+                elif now - link.t_start > self.cfg.peer_timeout_s:
                     self.fail(link, f"producer {link.address} unreachable (no handshake in "
                               f"{self.cfg.peer_timeout_s:.1f}s)", "UNREACHABLE")
                 elif now - link.last_hb > min(HELLO_RESEND_MAX_S, HELLO_RESEND_S * (1 << min(link.hellos - 1, 4))):
