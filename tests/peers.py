@@ -93,8 +93,32 @@ def _load(ep, args, timeout):
     return out
 
 
+def _enter_netns(name: str) -> None:
+    """Move this process into network namespace ``name`` (``tests/netns.py``: another "host")
+    before it opens a socket or an agent: everything it creates from here lives there."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/run/netns/{name}") as f:
+        if libc.setns(f.fileno(), 0x40000000) != 0:  # CLONE_NEWNET
+            raise OSError(ctypes.get_errno(), f"setns into {name} failed")
+
+
+def _hog_gil(seconds: float) -> float:
+    """Hold the GIL for about ``seconds`` in one C call (a busy encoder's Python, a long kernel
+    launch): no other Python thread of the process runs meanwhile; ZMQ's and NIXL's own threads do."""
+    t0 = time.perf_counter()
+    sum(range(2_000_000))
+    rate = 2_000_000 / max(time.perf_counter() - t0, 1e-6)
+    t0 = time.perf_counter()
+    sum(range(int(rate * seconds)))
+    return time.perf_counter() - t0
+
+
 def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
     os.environ.update(env)
+    if env.get("EC_NIXL_TEST_NETNS"):
+        _enter_netns(env["EC_NIXL_TEST_NETNS"])
     torch.set_num_threads(1)  # several peers share a small machine: no intra-op thread pools
     import helpers
     from ec_nixl.config import EndpointConfig
@@ -202,6 +226,10 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                 helpers.run_on_owner(ep, stall)
                 started.wait(10)
                 conn.send(("ok", time.monotonic()))
+            elif cmd == "hog_gil":
+                # FAULT INJECTION: a producer busy in Python (encoding) for `args` seconds: the
+                # answer comes after it, with the seconds it really held the GIL.
+                conn.send(("ok", _hog_gil(float(args))))
             elif cmd == "drop_read_notifs":
                 # FAULT INJECTION: this consumer's read-done messages are dropped from now on,
                 # as if every one were lost on its way to the producer.
@@ -249,7 +277,11 @@ class PeerProcess:
 
     default_listen: Any = None
 
-    def __init__(self, env: dict | None = None, start_timeout: float = 120.0, **cfg: Any):
+    def __init__(self, env: dict | None = None, start_timeout: float = 120.0, netns: str | None = None,
+                 **cfg: Any):
+        """``netns``: a network namespace to run in (another host, ``tests/netns.py``)."""
+        if netns:
+            env = dict(env or {}, EC_NIXL_TEST_NETNS=netns)
         cfg.setdefault("name", f"{type(self).__name__.lower()}-{os.getpid()}-{time.monotonic_ns() % 10**9}")
         if self.default_listen is not None:
             cfg.setdefault("listen", self.default_listen)

@@ -1,0 +1,210 @@
+"""The network between producer and consumer fails: E and PD on different hosts.
+
+Producer and consumer are real processes (``peers``) in two network namespaces on a bridge
+(``netns.Hosts``: two "hosts" with their own stacks and addresses), moving real bytes with NIXL.
+UCX is held to TCP (``UCX_TLS=tcp``): between namespaces of one kernel it would otherwise take
+shared memory or CMA, which no real cross-host link offers. Faults are made with ``ip`` alone: a
+silent cut (packets dropped on arrival, both ways), one direction dropped, the producer host's
+link down (its process runs on), the producer process killed (its host answers with RST).
+
+The bound under test is the default one: a load waiting on a producer that became unreachable
+fails within ``link_timeout_s`` (2 s) plus a quarter of it (the ping interval) — its request is
+then encoded locally — and so does a load that arrives afterwards; a refused connection fails at
+once; a producer that is merely busy (its Python holding the GIL longer than ``link_timeout_s``)
+is not declared gone. ``SLACK_S`` covers scheduling on a loaded 2-core machine. Timings are
+printed as ``[timing] ...`` (``pytest -s``); docs/RELIABILITY.md quotes them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import netns
+from ec_nixl.config import EndpointConfig
+from helpers import drained, timing, wait_until
+from peers import ConsumerProcess, ProducerProcess
+
+pytestmark = pytest.mark.skipif(netns.skip_reason() is not None, reason=str(netns.skip_reason()))
+
+LINK_TIMEOUT_S = EndpointConfig(name="defaults").link_timeout_s
+BOUND_S = 1.25 * LINK_TIMEOUT_S
+SLACK_S = 0.5
+GOAL_S = 3.0  # what issue 24 asks of the defaults; BOUND_S + SLACK_S must stay within it
+TCP_ONLY = {"UCX_TLS": "tcp"}
+SHAPE = (512, 1024)  # 2 MiB of float32
+
+
+@pytest.fixture
+def hosts():
+    with netns.Hosts(["e", "pd"], tag="part") as h:
+        yield h
+
+
+@pytest.fixture
+def pair(hosts):
+    """A producer on host e and a consumer on host pd, defaults for every timeout, shaken hands."""
+    prod = ProducerProcess(netns=hosts.ns["e"], env=TCP_ONLY, listen=f"{hosts.addr('e')}:0", mode="read",
+                           pool_bytes=64 << 20)
+    cons = ConsumerProcess(netns=hosts.ns["pd"], env=TCP_ONLY, mode="read", pool_bytes=64 << 20)
+    try:
+        assert prod.address.startswith(hosts.addr("e")), prod.address
+        load_ok(cons, prod, "warm", seed=1)
+        yield hosts, prod, cons
+    finally:
+        cons.kill()
+        prod.kill()
+
+
+def items(prod, name: str, seed: int, late_s: float = 0.0):
+    """Publish one item (written ``late_s`` later: a load waits for it meanwhile)."""
+    if late_s:
+        desc = prod.call("publish_late", (name, SHAPE, "float32", seed, late_s))
+    else:
+        desc = prod.call("publish", [(name, SHAPE, "float32", seed)])[0]
+    return [(desc, prod.address, 0, 1)]
+
+
+def load_ok(cons, prod, name: str, seed: int) -> None:
+    from peers import digest, make_item
+
+    out = cons.call("load", (items(prod, name, seed), 10.0), timeout=30)
+    assert [(h, s) for h, s, _, _ in out] == [(name, "landed")], out
+    assert out[0][3] == digest(make_item(seed, SHAPE, "float32")), "bytes differ"
+
+
+def load_fails_within(cons, args, bound_s: float, what: str, t0: float | None = None) -> str:
+    """Start a load, wait for it to fail, check it failed within ``bound_s`` of ``t0`` (default:
+    now); returns the failure reason."""
+    t_send = time.monotonic()
+    cons.send("load", (args, 30.0))
+    start = t_send if t0 is None else t0
+    out = cons.result("load", timeout=30)
+    took = timing(what, time.monotonic() - start)
+    (h, state, error, _), = out
+    assert state != "landed", f"{what}: the load landed over a link that was cut: {out}"
+    assert took <= bound_s, f"{what}: failed after {took:.2f}s, bound {bound_s:.2f}s ({state}: {error})"
+    return error
+
+
+def heal_and_load(hosts, prod, cons, name: str, seed: int) -> float:
+    """After the network is back, loads land again without restarting anything (the back-off of
+    the failed link is at most a few seconds)."""
+    hosts.heal()
+    t0 = time.monotonic()
+
+    def lands() -> bool:
+        try:
+            load_ok(cons, prod, name, seed)
+            return True
+        except AssertionError:
+            return False
+
+    assert wait_until(lands, 15.0, 0.2), f"{name}: no load landed 15 s after the network came back"
+    return timing(f"{name}: healed until a load landed again", time.monotonic() - t0)
+
+
+def assert_pool_drains(prod) -> None:
+    """Nothing stays pinned in the producer for the consumer that lost it (items unpublished)."""
+    prod.call("unpublish_all")
+    last = drained(prod, 20.0)
+    assert last["items"] == 0 and last["pool"]["used"] == 0, f"producer pool not drained: {last}"
+
+
+def test_defaults_meet_the_goal():
+    assert BOUND_S + SLACK_S <= GOAL_S, "the default link_timeout_s no longer meets the 3 s goal"
+
+
+def test_cut_while_waiting_then_new_request_then_heal(pair):
+    """A load waits for an item (not written yet) when the hosts are cut apart: it fails within
+    the bound; a load sent during the cut fails within it too, the next ones at once (back-off);
+    after healing, loads land again."""
+    hosts, prod, cons = pair
+    args = items(prod, "waiting", 2, late_s=3600.0)
+    cons.send("load", (args, 30.0))
+    time.sleep(0.3)
+    t_cut = time.monotonic()
+    hosts.cut("e", "pd")
+    out = cons.result("load", timeout=30)
+    took = timing("cut while waiting: load failed after the cut", time.monotonic() - t_cut)
+    assert out[0][1] != "landed" and took <= BOUND_S + SLACK_S, (took, out)
+    during = items(prod, "during", 3)
+    err = load_fails_within(cons, during, LINK_TIMEOUT_S + SLACK_S, "cut: a new load (fresh connect) failed")
+    assert "unreachable" in err.lower() or "no connection" in err.lower(), err
+    load_fails_within(cons, during, 0.3, "cut: the next load failed at once (back-off)")
+    heal_and_load(hosts, prod, cons, "after-cut", 4)
+    assert_pool_drains(prod)
+
+
+def test_one_direction_dropped(pair):
+    """Packets from E to PD are dropped, PD's reach E: E's answers never arrive, and the load
+    fails within the same bound."""
+    hosts, prod, cons = pair
+    args = items(prod, "one-way", 5, late_s=3600.0)
+    cons.send("load", (args, 30.0))
+    time.sleep(0.3)
+    t_cut = time.monotonic()
+    hosts.drop("e", "pd")
+    out = cons.result("load", timeout=30)
+    took = timing("E->PD dropped: waiting load failed after the drop", time.monotonic() - t_cut)
+    assert out[0][1] != "landed" and took <= BOUND_S + SLACK_S, (took, out)
+    heal_and_load(hosts, prod, cons, "after-one-way", 6)
+    assert_pool_drains(prod)
+
+
+def test_producer_host_vanishes_silently(pair):
+    """E's host goes off the network (its link down, the process runs on): the waiting load fails
+    within the bound; when the link comes back, loads land again."""
+    hosts, prod, cons = pair
+    args = items(prod, "vanish", 7, late_s=3600.0)
+    cons.send("load", (args, 30.0))
+    time.sleep(0.3)
+    t_cut = time.monotonic()
+    hosts.link("e", up=False)
+    try:
+        out = cons.result("load", timeout=30)
+        took = timing("E host link down: waiting load failed after it", time.monotonic() - t_cut)
+        assert out[0][1] != "landed" and took <= BOUND_S + SLACK_S, (took, out)
+        assert prod.proc.is_alive()
+    finally:
+        hosts.link("e", up=True)
+    heal_and_load(hosts, prod, cons, "after-vanish", 8)
+    assert_pool_drains(prod)
+
+
+def test_killed_producer_is_known_at_once(pair):
+    """E's process dies while its host stays up: the kernel closes its connections, so a waiting
+    load fails well under a second, and a new load (connection refused) fails at once too."""
+    hosts, prod, cons = pair
+    args = items(prod, "killed", 9, late_s=3600.0)
+    cons.send("load", (args, 30.0))
+    time.sleep(0.3)
+    t_kill = time.monotonic()
+    prod.kill()
+    out = cons.result("load", timeout=30)
+    took = timing("producer killed: waiting load failed after the kill", time.monotonic() - t_kill)
+    assert out[0][1] != "landed" and took <= 1.0, (took, out)
+    time.sleep(0.1)
+    err = load_fails_within(cons, args, 1.0, "producer killed: a new load (refused) failed")
+    assert "refused" in err.lower() or "unreachable" in err.lower() or "lost" in err.lower(), err
+
+
+def test_busy_producer_is_not_declared_gone(pair):
+    """E's Python holds the GIL longer than link_timeout_s (a busy encoder): its event loop cannot
+    answer, but its ZMQ I/O thread answers the pings, so the link stays and the load that waited
+    lands once E is free again (peer_timeout_s and load_timeout_s, 5 s, bound that wait)."""
+    hosts, prod, cons = pair
+    hog_s = LINK_TIMEOUT_S + 1.0
+    args = items(prod, "busy", 10)
+    prod.send("hog_gil", hog_s)
+    time.sleep(0.2)  # the hog runs: E answers no Python-level message from here
+    from peers import digest, make_item
+
+    t0 = time.monotonic()
+    out = cons.call("load", (args, 30.0), timeout=60)
+    held = prod.result("hog_gil", timeout=60)
+    timing(f"busy producer (GIL held {held:.2f}s): load took", time.monotonic() - t0)
+    assert held > LINK_TIMEOUT_S, f"the hog held the GIL only {held:.2f}s: nothing was tested"
+    assert [(h, s) for h, s, _, _ in out] == [("busy", "landed")], out
+    assert out[0][3] == digest(make_item(10, SHAPE, "float32"))
