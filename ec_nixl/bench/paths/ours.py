@@ -182,7 +182,8 @@ def stage_copy(prod, tag: str, nbytes: int, shape, tdt, per_op: int) -> tuple:
     t0 = time.perf_counter()
     descs = [prod.ep.publish(h, s.view(tdt).view(shape)) for h, s in srcs]
     sync(prod.device)
-    return descs, [probe(s) for _, s in srcs], time.perf_counter() - t0
+    dt = time.perf_counter() - t0
+    return descs, [probe(s) for _, s in srcs], dt
 
 
 def stage_unpublished(prod, tag: str, spec: tuple, n_ops: int, per_op: int) -> list:
