@@ -1,7 +1,8 @@
 """``ec-nixl bench``: end-to-end transfer benchmark of the ec-nixl data plane against its peers.
 
-Two spawned processes, a *producer* (the Encode side) and a *consumer* (the Prefill/Decode side),
-move encoder outputs (an ``[num_embeds, width]`` bf16 tensor per image) between them. For each
+Two processes, a *producer* (the Encode side) and a *consumer* (the Prefill/Decode side), both
+spawned here or the producer on another host (``ec-nixl bench producer``, ``--producer``), move
+encoder outputs (an ``[num_embeds, width]`` bf16 tensor per image) between them. For each
 size, in one run and between the same two processes, the consumer times (medians and p99 over
 repeats, warm-up excluded, every item's bytes checked) each path of ``paths``: ours-read,
 ours-write and staged-write (ec-nixl's public API), raw-nixl-read/-write (plain NIXL: the floor),
@@ -19,6 +20,7 @@ Reading order (one module per concern):
     plot          --plot (matplotlib)                     progress      tqdm or plain lines
     memory        source buffer, patterns, checks         proc          pipes, watchdogs, tmpdir
     units         sizes, percentiles, formatting          optional      imports that may be missing
+    remote        the producer on another host            wire          its TCP control channel
 
 Only ``ec_nixl``'s public API is used (``Endpoint``, ``EndpointConfig``, ``ItemRef``,
 ``LoadBarrier``): what the bench measures is what a user gets.

@@ -4,6 +4,9 @@
 paths, cases, pool size, repeats, idle window), hands it to the orchestrator and prints the report.
 Exit status: 0 when the run finished (skipped paths included), 1 when it failed or was stopped
 (what was measured is still reported), 2 on bad options.
+
+``ec-nixl bench producer ...`` is the producer side alone, for a consumer on another host
+(``--producer HOST:PORT`` there); see ``remote``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ec-nixl bench",
         description="Time ec-nixl's data plane (post -> barrier passed) against the physical reference, plain NIXL "
-                    "and the other EC connectors' data paths, between two processes on this machine.")
+                    "and the other EC connectors' data paths, between two processes on this machine, or against "
+                    "`ec-nixl bench producer` on another host (--producer).",
+        epilog="Across hosts: `ec-nixl bench producer --listen 0.0.0.0:15700` on the Encode host, then "
+               "`ec-nixl bench --producer ENCODE_HOST:15700 ...` here (`ec-nixl bench producer --help`).")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where pools and items live (default: cuda if available, else cpu)")
     p.add_argument("--sizes", default=None,
@@ -49,6 +55,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON (schema ec-nixl-bench/1)")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a latency-vs-size PNG (needs matplotlib)")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up (killing both processes) after this many s")
+    p.add_argument("--check", choices=("ends", "full"), default="ends",
+                   help="what of each timed item is compared with what the producer wrote: its first and last "
+                        "8 bytes (default), or all of it (a digest per item, untimed; for tests)")
+    p.add_argument("--producer", default=None, metavar="HOST:PORT",
+                   help="run the consumer side only, against `ec-nixl bench producer` at HOST:PORT (another host); "
+                        "paths that need one host (reference-copy, file, publish-landed, expect-landed, ucx) are "
+                        "skipped")
     return p
 
 
@@ -104,12 +117,23 @@ def plan(args) -> dict:
         "notes": notes,
         "backend_params": json.loads(args.backend_params) if args.backend_params else {},
         "nixl_progress_thread": {"on": True, "off": False}.get(args.nixl_progress_thread),
+        "producer": args.producer,
+        "check": args.check,
     }
 
 
 def main(argv: Optional[list] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["producer"]:
+        from ec_nixl.bench import remote
+
+        return remote.producer_main(argv[1:])
     args = parser().parse_args(argv)
     try:
+        if args.producer:
+            from ec_nixl.bench.remote import DEFAULT_PORT, split_hostport
+
+            split_hostport(args.producer, DEFAULT_PORT)
         cfg = plan(args)
     except ValueError as e:
         print(f"ec-nixl bench: {e}", file=sys.stderr)
@@ -117,7 +141,8 @@ def main(argv: Optional[list] = None) -> int:
     load0 = proc.loadavg()
     print(f"ec-nixl bench: device={cfg['device']} paths={','.join(cfg['paths'])} "
           f"pool={human(cfg['pool_bytes'])}/endpoint repeats<= {cfg['repeats']} (>= {cfg['min_repeats']}, "
-          f"~{cfg['budget_s']} s per case) warmup={cfg['warmup']} idle={cfg['idle_s']:g} s", flush=True)
+          f"~{cfg['budget_s']} s per case) warmup={cfg['warmup']} idle={cfg['idle_s']:g} s"
+          + (f" producer={cfg['producer']} (another host)" if cfg["producer"] else ""), flush=True)
     for n in cfg["notes"]:
         print(f"  note: {n}", flush=True)
     ok, state = orchestrator.run(cfg, args.timeout)

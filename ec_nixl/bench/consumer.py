@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from ec_nixl.bench import idle, proc
+from ec_nixl.bench import idle, memory, proc
 from ec_nixl.bench.memory import as_u8, check, open_source, pin, unpin
 from ec_nixl.bench.paths import FRAGILE, PATHS, ours, reference
 from ec_nixl.bench.paths.base import Skip
@@ -30,6 +30,7 @@ class Consumer:
         from ec_nixl import Endpoint, EndpointConfig, LoadBarrier
 
         self.cfg, self.prod, self.ctl = cfg, prod, ctl
+        memory.FULL_CHECK = cfg.get("check") == "full"
         self.device = cfg["device"]
         self.cuda = self.device.startswith("cuda")
         if self.cuda:
@@ -37,6 +38,14 @@ class Consumer:
         else:
             torch.set_num_threads(1)
         self.info = self.rpc("info", timeout=180)
+        self.remote = cfg.get("producer")  # HOST:PORT of a producer on another host, else None
+        if self.remote:
+            from ec_nixl.bench.remote import reachable, split_hostport
+
+            phost = split_hostport(self.remote, 0)[0]
+            for k in ("address", "host_address"):
+                if self.info[k]:
+                    self.info[k] = reachable(self.info[k], phost)
         pid, paths = os.getpid(), cfg["paths"]
         common = dict(pool_bytes=cfg["pool_bytes"], block_bytes=BLOCK, threaded=False, load_timeout_s=60.0,
                       peer_timeout_s=30.0, backend_params=cfg.get("backend_params") or {},
@@ -61,12 +70,20 @@ class Consumer:
 
             self.dst = torch.from_numpy(np.ones(self.dst_bytes, dtype=np.uint8))
             self.dst_np = self.dst.numpy()
-        self.src, self.src_note = open_source(self.info["ref"], self.info["src_bytes"])
+        if self.remote:  # its /dev/shm path may even exist here (namespaces on one machine): not the same memory
+            self.src, self.src_note = None, "the producer is on another host"
+        else:
+            self.src, self.src_note = open_source(self.info["ref"], self.info["src_bytes"])
         self._dcur = self._scur = 0
         self.skipped: dict[str, str] = {}
         self.extras: dict[str, Any] = {}  # per-run state of optional paths (ucx client, raw agent)
         read, self.cpu_source = idle.cpu_reader()
         pids = {"producer": self.info["pid"], "consumer": pid}
+        if self.remote and read:
+            # The producer's CPU is read by the producer (another host's /proc is not ours).
+            pids["producer"], local = -1, read
+            read = lambda p: self.rpc("cpu_seconds") if p == -1 else local(p)  # noqa: E731
+            self.cpu_source += " here, os.times() at the remote producer"
         self.loaded = idle.CpuMeter(pids, read) if read else None
 
     def _warm_up(self) -> None:
@@ -150,6 +167,12 @@ class Consumer:
 
     def run_all(self) -> None:
         cfg = self.cfg
+        if self.remote:
+            from ec_nixl.bench.remote import LOCAL_ONLY
+
+            for path in cfg["paths"]:
+                if path in LOCAL_ONLY:
+                    self.skip(path, f"not across hosts: {LOCAL_ONLY[path]}")
         if cfg["idle_s"] > 0:
             self.send("case", f"idle window ({cfg['idle_s']:g} s)")
             self.measure_idle(cfg["idle_s"])
@@ -196,6 +219,8 @@ class Consumer:
         env = {"device": self.device, "torch": torch.__version__, "pinned": self.pinned and self.info["pinned"]}
         if self.cuda:
             env["gpu"] = torch.cuda.get_device_name(0)
+        if self.remote:
+            env["producer"] = f"{self.remote} (host {self.info.get('hostname', '?')}, pid {self.info['pid']})"
         try:
             from importlib.metadata import version
 
@@ -218,7 +243,9 @@ class Consumer:
 
 
 def consumer_main(cfg: dict, conn, ctl) -> None:
-    """Entry point of the spawned consumer: every case, then the producer's counters, then done."""
+    """Entry point of the spawned consumer: every case, then the producer's counters, then done.
+    ``conn`` is the pipe to the spawned producer, or None when it runs on another host
+    (``cfg['producer']``)."""
 
     def body(cons: Consumer) -> None:
         cons.send("env", cons.env())
@@ -231,10 +258,27 @@ def consumer_main(cfg: dict, conn, ctl) -> None:
                                 "published": st["dev"]["counters"]["published"], "left_bytes": left})
         cons.send("done", None)
 
+    box = {"conn": conn}
+
+    def make() -> Consumer:
+        if box["conn"] is None:  # the producer runs on another host: reach it over TCP
+            from ec_nixl.bench import remote
+
+            box["conn"] = remote.connect(cfg)
+        return Consumer(cfg, box["conn"], ctl)
+
     try:
-        proc.run_role("consumer", cfg, ctl, lambda: Consumer(cfg, conn, ctl), body)
+        proc.run_role("consumer", cfg, ctl, make, body)
     finally:
-        try:
-            conn.send(("close", ()))  # the producer's serve loop ends
-        except Exception:
-            pass
+        if box["conn"] is not None:
+            try:
+                box["conn"].send(("close", ()))  # the producer's serve loop ends
+            except Exception:
+                pass
+            if conn is None:  # the producer's answer: it saw the end (else it reports a lost consumer)
+                try:
+                    if box["conn"].poll(10):
+                        box["conn"].recv()
+                except Exception:
+                    pass
+                box["conn"].close()

@@ -11,6 +11,9 @@ consumer streams on its control pipe into one ``state`` dict for the report:
     ("error", text)       from either peer: the run failed
 
 A timeout, a dead peer or Ctrl-C stops both processes; whatever was measured is still reported.
+With ``cfg['producer']`` (``--producer HOST:PORT``) the producer runs on another host
+(``ec-nixl bench producer``, see ``remote``): only the consumer is spawned, and it reaches the
+producer over TCP instead of a pipe; its failures come back as the consumer's.
 """
 
 from __future__ import annotations
@@ -34,13 +37,20 @@ def run(cfg: dict, timeout_s: float) -> tuple[bool, dict]:
     tmpdir = proc.shm_tmpdir()
     cfg = {**cfg, "tmpdir": tmpdir, "parent_pid": os.getpid()}
     ctx = mp.get_context("spawn")
-    c_prod, p_cons = ctx.Pipe()
-    prod_ctl_r, prod_ctl_w = ctx.Pipe(duplex=False)
+    remote = bool(cfg.get("producer"))
     cons_ctl_r, cons_ctl_w = ctx.Pipe(duplex=False)
-    prod = ctx.Process(target=producer_main, args=(cfg, c_prod, prod_ctl_w), name="ec-nixl-bench-producer",
-                       daemon=True)
+    ends, readers, procs = [cons_ctl_w], [cons_ctl_r], []
+    p_cons = None
+    if not remote:
+        c_prod, p_cons = ctx.Pipe()
+        prod_ctl_r, prod_ctl_w = ctx.Pipe(duplex=False)
+        procs.append(ctx.Process(target=producer_main, args=(cfg, c_prod, prod_ctl_w),
+                                 name="ec-nixl-bench-producer", daemon=True))
+        ends += [c_prod, p_cons, prod_ctl_w]
+        readers.append(prod_ctl_r)
     cons = ctx.Process(target=consumer_main, args=(cfg, p_cons, cons_ctl_w), name="ec-nixl-bench-consumer",
                        daemon=True)
+    procs.insert(0, cons)
     total = len(cfg["cases"]) * len(cfg["paths"]) + (1 if cfg["barrier"] else 0) + 1 + (cfg["idle_s"] > 0)
     state: dict = {"rows": [], "skipped": {}, "env": {}, "cpu": {}, "copybw": None, "prodstats": None}
     bar, ok = None, False
@@ -50,12 +60,12 @@ def run(cfg: dict, timeout_s: float) -> tuple[bool, dict]:
     except ValueError:  # not the main thread
         pass
     try:
-        prod.start()
-        cons.start()
-        for end in (c_prod, p_cons, prod_ctl_w, cons_ctl_w):
+        for p in reversed(procs):  # the producer first
+            p.start()
+        for end in ends:
             end.close()
         bar = Progress(total)
-        _follow(cfg, state, bar, cons, [cons_ctl_r, prod_ctl_r], time.monotonic() + timeout_s, timeout_s)
+        _follow(cfg, state, bar, cons, readers, time.monotonic() + timeout_s, timeout_s)
         ok = True
     except KeyboardInterrupt:
         print("\nec-nixl bench: interrupted", file=sys.stderr)
@@ -64,7 +74,7 @@ def run(cfg: dict, timeout_s: float) -> tuple[bool, dict]:
     finally:
         if bar is not None:
             bar.close()
-        _stop([cons, prod], graceful=ok)
+        _stop(procs, graceful=ok)
         shutil.rmtree(tmpdir, ignore_errors=True)
         try:
             signal.signal(signal.SIGTERM, old_term)

@@ -45,18 +45,22 @@ def call(conn, cmd: str, *args, timeout: float = 120.0):
     return reply(conn, cmd, timeout)
 
 
-def serve(obj, conn, idle_timeout_s: float) -> None:
-    """Answer ``call``s with ``obj``'s methods until ``close`` (or the other end goes away)."""
+def serve(obj, conn, idle_timeout_s: float) -> bool:
+    """Answer ``call``s with ``obj``'s methods until ``close`` (True) or the other end goes away
+    (False: a remote producer says so; a spawned one's consumer reports its own end)."""
     while True:
         if not conn.poll(idle_timeout_s):
             raise TimeoutError(f"producer: no command from the consumer for {idle_timeout_s} s")
         try:
             cmd, args = conn.recv()
         except EOFError:
-            return
+            return False
         if cmd == "close":
-            conn.send(("ok", None))
-            return
+            try:
+                conn.send(("ok", None))
+            except OSError:
+                pass
+            return True
         try:
             conn.send(("ok", getattr(obj, cmd)(*args)))
         except BenchError as e:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import socket
 import time
 
-from ec_nixl.bench import proc
+from ec_nixl.bench import memory, proc
 from ec_nixl.bench.memory import Source, pin, unpin
 from ec_nixl.bench.proc import BenchError
 from ec_nixl.bench.paths import STAGERS, ours, raw_nixl, ucx
@@ -30,6 +31,7 @@ class Producer:
         from ec_nixl import Endpoint, EndpointConfig
 
         self.cfg, self.conn = cfg, conn
+        memory.FULL_CHECK = cfg.get("check") == "full"
         self.device, self.tmpdir = cfg["device"], cfg["tmpdir"]
         self.cuda = self.device.startswith("cuda")
         if self.cuda:
@@ -37,15 +39,20 @@ class Producer:
         else:
             torch.set_num_threads(1)
         pid = os.getpid()
-        common = dict(pool_bytes=cfg["pool_bytes"], block_bytes=BLOCK, listen="127.0.0.1:0", threaded=True,
+        # On one host the endpoints listen on loopback; across hosts (``remote``) on the control
+        # listener's host and known ports, so that a firewall can let exactly those through.
+        ep_host, ports = cfg.get("ep_host", "127.0.0.1"), cfg.get("ep_ports", (0, 0))
+        common = dict(pool_bytes=cfg["pool_bytes"], block_bytes=BLOCK, threaded=True,
                       announce_lease_s=600.0, grant_lease_s=600.0, evict_unclaimed=False, load_timeout_s=60.0,
                       reserve_wait_s=CHUNK_SETTLE_S,
                       backend_params=cfg.get("backend_params") or {},
                       nixl_progress_thread=cfg.get("nixl_progress_thread"))
-        self.ep = Endpoint(EndpointConfig(name=f"ecb-prod-{pid}", device=self.device, **common))
+        self.ep = Endpoint(EndpointConfig(name=f"ecb-prod-{pid}", device=self.device, listen=f"{ep_host}:{ports[0]}",
+                                          **common))
         self.host, self.pinned = None, False
         if self.cuda and "host-bounce" in cfg["paths"]:
-            self.host = Endpoint(EndpointConfig(name=f"ecb-prodh-{pid}", device="cpu", **common))
+            self.host = Endpoint(EndpointConfig(name=f"ecb-prodh-{pid}", device="cpu", listen=f"{ep_host}:{ports[1]}",
+                                                **common))
             self.pinned = pin(self.host.pool.arena)
         self.source = Source(self.device, cfg["src_bytes"], self.tmpdir)
         self._cursor, self._n = 0, 0
@@ -97,10 +104,22 @@ class Producer:
     def info(self) -> dict:
         import torch
 
-        return {"address": self.ep.address, "host_address": self.host.address if self.host else None,
+        return {"address": self._advertised(self.ep.address),
+                "host_address": self._advertised(self.host.address) if self.host else None,
                 "pinned": self.pinned, "ref": self.source.export(), "src_bytes": self.source.nbytes,
                 "capacity": self.ep.pool.capacity, "host_capacity": self.host.pool.capacity if self.host else 0,
-                "torch": torch.__version__, "pid": os.getpid()}
+                "torch": torch.__version__, "pid": os.getpid(), "hostname": socket.gethostname()}
+
+    def _advertised(self, address: str) -> str:
+        """``address`` with the host a remote consumer was told to dial (``--advertise``), if any."""
+        adv = self.cfg.get("advertise")
+        return f"{adv}:{address.rsplit(':', 1)[1]}" if adv else address
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds of this process so far, all threads: the idle-cost meter of a consumer on
+        another host, which cannot read this process's /proc."""
+        t = os.times()
+        return t.user + t.system
 
     def items(self, kind: str, tag: str, spec: tuple, n_ops: int, per_op: int) -> list:
         """``n_ops`` operations of ``per_op`` items each: per op (descs or paths, probes, stage_s)."""
@@ -153,7 +172,7 @@ class Producer:
 
     def raw_serve(self) -> None:
         """Be the target of the consumer's raw READs until its next command."""
-        raw_nixl.progress_until(self.raw, self.conn, spin=self.cuda)
+        raw_nixl.progress_until(self.raw, self.conn, spin=raw_nixl.target_spins(self.cfg))
 
     def raw_write(self, groups: list) -> list:
         return raw_nixl.write_many(self.raw, groups)

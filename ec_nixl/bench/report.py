@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 
 from ec_nixl.bench import goals
 from ec_nixl.bench.paths import ALL_PATHS
@@ -28,6 +29,9 @@ def report(state: dict, cfg: dict, args) -> None:
     l0, l1 = state.get("load", ("?", "?"))
     print(f"{os.cpu_count()} CPUs; load average (1/5/15 min) at start {l0}, at end {l1} — other work on this "
           f"host inflates tails and small-item latencies")
+    if env.get("producer"):
+        print(f"across hosts: producer at {env['producer']}, consumer here ({socket.gethostname()}); "
+              f"'x raw' is ours / plain NIXL over the same link")
     table(rows)
     for p, why in state["skipped"].items():
         print(f"{p}: skipped: {why}")
@@ -111,6 +115,7 @@ def write_json(path: str, state: dict, cfg: dict) -> None:
         "cpu": state.get("cpu") or {},  # added in place of a schema bump: readers of /1 ignore it
         "skipped": state["skipped"],
         "load": state.get("load"),
+        "producer": env.get("producer"),  # across hosts: where the producer ran (else None)
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

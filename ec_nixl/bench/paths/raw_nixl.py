@@ -12,7 +12,7 @@ notification: ec-nixl's completion messages are part of what the ratio charges t
 Each chunk poisons the head and tail of its destination slots first and checks them after.
 
 The agents get the bench's ``--backend-params`` and no NIXL progress thread (it spins for the
-whole run, shared/design/nixl.md); on CUDA also ``CUDA_IPC_ENABLE_GET_ZCOPY=y`` (zero-copy READ
+whole run, shared/design/nixl.md): the target's loop drives its agent (``progress_until``); on CUDA also ``CUDA_IPC_ENABLE_GET_ZCOPY=y`` (zero-copy READ
 without NVLink, shared/design/device.md) unless the environment sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY.
 """
 
@@ -204,7 +204,7 @@ class RawNixlWrite(RawNixlRead):
         groups = self.take(k)
         conn = self.c.prod
         proc.send(conn, "raw_write", [g.tolist() for g in groups])
-        progress_until(self.link, conn, spin=self.c.cuda)  # the WRITEs' target side
+        progress_until(self.link, conn, spin=target_spins(self.c.cfg))  # the WRITEs' target side
         ts = proc.reply(conn, "raw_write")
         self.verify(groups)
         return ts
@@ -218,10 +218,20 @@ def _open(c) -> RawAgent:
     return agent
 
 
+def target_spins(cfg: dict) -> bool:
+    """Whether a raw transfer's target drives its agent without pause (``progress_until``): on a GPU
+    host (a READ without zero-copy needs the target per message) and across hosts (over TCP a
+    READ is emulated with messages the target answers, and a WRITE lands only as the target's
+    UCX reads its socket: a 0.5 ms tick made the 64 KiB floor 0.6 ms instead of 0.08, and the
+    9.8 MB WRITE 3x slower, in our runs between two network namespaces), so that the floor is
+    the fastest plain NIXL gets on the link."""
+    return cfg["device"].startswith("cuda") or bool(cfg.get("producer"))
+
+
 def progress_until(agent: RawAgent, conn, spin: bool) -> None:
-    """Be the target: drive ``agent`` until something arrives on ``conn``. Spinning on a GPU host
-    (a READ without zero-copy needs the target per message); every 0.5 ms on CPU, where CMA is
-    one-sided after wire-up and a spinning loop would steal one of few cores from the initiator."""
+    """Be the target: drive ``agent`` until something arrives on ``conn``. Spinning when
+    ``target_spins``; else every 0.5 ms (CPU, one host), where CMA is one-sided after wire-up and
+    a spinning loop would steal one of few cores from the initiator."""
     tick = 0.0 if spin else 0.0005
     while not conn.poll(tick):
         agent.progress()
