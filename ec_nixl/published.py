@@ -59,7 +59,7 @@ class Item:
     """One published item and everything that keeps it alive."""
 
     __slots__ = ("desc", "slot", "ready", "expires_at", "interest", "done", "pins", "pushes", "held",
-                 "t_pub", "promised", "withdrawn")
+                 "t_pub", "promised", "withdrawn", "orphaned_until")
 
     def __init__(self, desc: P.ItemDesc, slot: Slot, ready: Optional[Fence], lease_s: float):
         self.desc = desc
@@ -77,6 +77,9 @@ class Item:
         ready answer): it may READ the place without asking again until then."""
         self.withdrawn = False
         """Unpublished: no new Hold, Get or push finds it; it waits only for its promises."""
+        self.orphaned_until = 0.0
+        """Until when (monotonic) a reader whose session was dropped may still be reading it
+        (0: none): its memory is not reused before."""
 
     def is_ready(self) -> bool:
         if self.ready is None:
@@ -93,7 +96,7 @@ class Item:
         )
 
     def busy(self) -> bool:
-        return bool(self.pins or self.pushes)
+        return bool(self.pins or self.pushes) or self.orphaned_until > 0.0
 
 
 class Published:
@@ -242,6 +245,8 @@ class Published:
                     k = "pushed"
                 elif item.pins:
                     k = "pinned by a READ grant"
+                elif item.orphaned_until:
+                    k = "pinned by a READ grant"  # of a dropped reader, until its deadline
                 elif item.withdrawn:
                     k = "withdrawn, promised"
                 elif not item.interest:
@@ -440,15 +445,23 @@ class Published:
         """A session ended: its pins go, and its group's interest unless the group lives on.
 
         An item that only this (now gone) group held has nobody left to read it: its lease is cut
-        to ``link_timeout_s`` (a reconnecting consumer that claims it again keeps it)."""
-        until = time.monotonic() + self.cfg.link_timeout_s
+        to ``link_timeout_s`` (a reconnecting consumer that claims it again keeps it). A pin
+        (a granted READ) goes, but its memory is kept until the reader's load deadline has passed
+        (grant time plus ``load_timeout_s``): a connection dropped for silence may be a frozen
+        reader whose READ still runs when it wakes, and it trusts a READ it sees done before its
+        deadline, so the slot must not be reused under it until then (a closed connection costs
+        only that wait)."""
+        now = time.monotonic()
+        until = now + self.cfg.link_timeout_s
         with self._lock:
             items = list(self._items.values())
             for item in items:
                 if not group_left and item.interest.pop(group, None) is not None and not item.interest:
                     item.expires_at = min(item.expires_at, until)
                 for k in [k for k in item.pins if k[0] == sid]:
-                    del item.pins[k]
+                    reading_until = item.pins.pop(k) - self.cfg.grant_lease_s + self.cfg.load_timeout_s
+                    if reading_until > now:
+                        item.orphaned_until = max(item.orphaned_until, reading_until)
         for item in items:
             self.maybe_free(item)
 
@@ -463,17 +476,23 @@ class Published:
         """End pins and leases that ran out (items nobody read are counted, then freed)."""
         if not self._items:
             return
-        expired = []
+        expired, unorphaned = [], []
         with self._lock:
             for item in self._items.values():
                 for k, until in list(item.pins.items()):
                     if now >= until:
                         del item.pins[k]
                         self.metrics.count("expired_pins")
+                if item.orphaned_until and now >= item.orphaned_until:
+                    item.orphaned_until = 0.0
+                    unorphaned.append(item)
                 if now >= item.expires_at and not item.busy():
                     expired.append(item)
             for item in expired:
                 del self._items[item.desc.mm_hash]
+        for item in unorphaned:
+            if item not in expired:
+                self.maybe_free(item)  # read by all who could, and the dropped reader is past its deadline
         for item in expired:
             if not item.satisfied():
                 self.metrics.count("expired_leases")

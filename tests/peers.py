@@ -105,13 +105,13 @@ def _enter_netns(name: str) -> None:
 
 
 def _hog_gil(seconds: float) -> float:
-    """Hold the GIL for about ``seconds`` in one C call (a busy encoder's Python, a long kernel
-    launch): no other Python thread of the process runs meanwhile; ZMQ's and NIXL's own threads do."""
+    """Hold the GIL for ``seconds`` (a busy encoder's Python, a long kernel launch): a libc sleep
+    called through ``PyDLL``, which unlike ``CDLL`` does not release the GIL, so no other Python
+    thread of the process runs meanwhile; ZMQ's and NIXL's own threads do."""
+    import ctypes
+
     t0 = time.perf_counter()
-    sum(range(2_000_000))
-    rate = 2_000_000 / max(time.perf_counter() - t0, 1e-6)
-    t0 = time.perf_counter()
-    sum(range(int(rate * seconds)))
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))
     return time.perf_counter() - t0
 
 

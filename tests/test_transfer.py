@@ -312,21 +312,25 @@ def test_first_hello_goes_out_when_the_connection_comes_up(make_peer, make_consu
     """A consumer that asks a producer before the connection is up (always, for the first query:
     the TCP connect runs in ZMQ's background) has its Hello dropped (IMMEDIATE). It must go out
     as soon as the connection is up, not at the next resend: that cost the first request to each
-    producer 0.2 s. Here resends are switched off, and the producer starts listening only after
-    the consumer asked: the Hold is answered all the same, through the connection's handshake."""
-    import socket
-
+    producer 0.2 s. Here resends are switched off, and the producer is frozen (SIGSTOP) while the
+    consumer connects, so that its kernel accepts the TCP connection but the ZMTP handshake waits
+    for it; it goes on within ``link_timeout_s``: the Hold is answered through the handshake.
+    (A producer that does not listen at all refuses the connection: that fails at once,
+    ``test_faults_partition.py``.)"""
     import ec_nixl.links as links
     from peers import ProducerProcess
 
     monkeypatch.setattr(links, "HELLO_RESEND_S", 1e6)  # fault injection: no resends
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cons = make_consumer(pool_bytes=0, threaded=True)
-    hold = cons.hold_async(f"127.0.0.1:{port}", ["late"], timeout=60)  # nobody listens yet
-    prod = make_peer(ProducerProcess, listen=f"127.0.0.1:{port}")
+    prod = make_peer(ProducerProcess)
     prod.call("publish", [("late", (8, 64), "float16", 1)])
+    cons = make_consumer(pool_bytes=0, threaded=True)
+    prod.stop()
+    try:
+        hold = cons.hold_async(prod.address, ["late"], timeout=60)
+        time.sleep(0.3)
+        assert not hold.done, hold.states
+    finally:
+        prod.cont()
     assert cons.wait_for(lambda: hold.done, 30), "the Hello was never sent once the producer was up"
     assert hold.states["late"].status == "ready", hold.states
 
