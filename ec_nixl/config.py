@@ -22,7 +22,8 @@ class EndpointConfig:
     """What one rank's data plane needs to run. Sizes in bytes, times in seconds."""
 
     name: str
-    """NIXL agent name: unique and stable per rank (the vLLM adapter uses engine_id-dp-tp)."""
+    """Rank name: unique and stable per rank (the vLLM adapter uses engine_id-dp-tp); its NIXL agent
+    is named ``{name}-{incarnation[:8]}`` (``handshake.agent_name``)."""
     device: str = "cpu"
     """Where the pool lives: 'cpu' (DRAM) or 'cuda[:N]' (VRAM)."""
     pool_bytes: int = 256 << 20

@@ -13,6 +13,8 @@ the parts its configuration needs, each given its collaborators here and owning 
 
 The public methods below are the whole API; each delegates to the part that owns the work.
 NIXL notifications (a producer's WRITE done) arrive on the shared agent: this module routes them.
+The agent is named per incarnation (``handshake.agent_name``), not ``cfg.name``: the NIXL of a
+peer refuses a name for good once a bad copy of its metadata reached it.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class Endpoint:
                 arena = Arena(cfg.pool_bytes, cfg.device)
                 try:
                     self.pool = Pool(arena, cfg.block_bytes, reserved_blocks=cfg.probe_blocks)
-                    self.transport = Transport(cfg.name, arena, cfg.block_bytes, tuple(cfg.backends),
+                    self.transport = Transport(self.me.agent, arena, cfg.block_bytes, tuple(cfg.backends),
                                                dict(cfg.backend_params), progress_thread=cfg.progress_thread,
                                                progress_wait_s=cfg.nixl_progress_wait_s)
                 except Exception:

@@ -332,8 +332,10 @@ class Links:
         if self._by_session.get(link.session) is link:
             del self._by_session[link.session]
         self._close_sockets(link)
-        if self.transport is not None and link.name and link.name in self.transport.peers:
-            self.transport.forget_peer(link.name)
+        agent = link.peer.name if link.peer is not None else None
+        if self.transport is not None and agent in self.transport.peers \
+                and not any(o.peer is not None and o.peer.name == agent for o in self._links.values()):
+            self.transport.forget_peer(agent)
         self.listener.on_dropped(link)
 
     def _close_sockets(self, link: Link) -> None:
@@ -424,7 +426,7 @@ class Links:
             if msg.agent_md is None or msg.arena is None:
                 return self.fail(link, f"producer {link.address} serves no data (control-only)", "INCOMPAT")
             try:
-                link.peer = self.transport.add_peer(msg.agent_md, msg.arena, msg.incarnation, msg.name)
+                link.peer = self.transport.add_peer(msg.agent_md, msg.arena, msg.incarnation, msg.agent)
             except Exception as e:
                 return self.fail(link, f"cannot add producer {link.address} as NIXL peer: {e}", "INCOMPAT")
             link.mode = self._choose_mode(link)

@@ -497,7 +497,7 @@ class Loader:
         """A producer's WRITE into our pool finished: those items landed."""
         link = self.links.by_session(sid)
         lane = self._lanes.get(link) if link is not None else None
-        if lane is None or link.name != agent:
+        if lane is None or link.peer is None or link.peer.name != agent:
             return
         for mm_hash in mm_hashes:
             t = lane.pushed.pop(mm_hash, None)

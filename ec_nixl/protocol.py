@@ -3,6 +3,8 @@
 Every message is a ``msgspec.Struct`` encoded with MessagePack. Decoding is strict (types,
 tags and field presence are checked by msgspec), and ``validate_*`` helpers add the semantic
 checks msgspec cannot express (sizes, shapes, dtypes). Nothing on the wire is ever unpickled.
+NIXL metadata in a handshake travels with its length and sha256 (``md_problem``), checked before
+NIXL parses it: NIXL refuses an agent name for good once a copy of its metadata failed to load.
 
 This module owns the wire format and never touches sockets or NIXL.
 """
@@ -20,7 +22,7 @@ import msgspec
 
 from ec_nixl.errors import IncompatiblePeer, ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: Hello/Welcome carry agent, md_len, md_sha256
 
 # Largest item the protocol accepts at all (a pool cannot hold more than this anyway).
 MAX_ITEM_BYTES = 1 << 40
@@ -82,6 +84,11 @@ class ItemDesc(msgspec.Struct, frozen=True):
 
 
 class Hello(msgspec.Struct, tag="hello"):
+    """A consumer's handshake. ``name`` is the rank's stable identity (sessions, groups, logs);
+    ``agent`` the NIXL agent name of this incarnation, which ``agent_md`` describes. The
+    metadata's length and sha256 are signed with the rest (``mac``) and checked before NIXL
+    sees it (``md_problem``)."""
+
     version: int
     compat: str
     name: str
@@ -90,10 +97,15 @@ class Hello(msgspec.Struct, tag="hello"):
     agent_md: Optional[bytes] = None  # None for control-only clients (a vLLM scheduler)
     arena: Optional[ArenaInfo] = None
     group: str = ""  # all ranks of one consumer engine share a group; readers are counted per group
+    agent: str = ""
+    md_len: int = 0
+    md_sha256: bytes = b""
     mac: bytes = b""
 
 
 class Welcome(msgspec.Struct, tag="welcome"):
+    """A producer's answer to an accepted Hello; its metadata fields mean what the Hello's do."""
+
     version: int
     compat: str
     name: str
@@ -102,6 +114,9 @@ class Welcome(msgspec.Struct, tag="welcome"):
     nonce: bytes
     agent_md: Optional[bytes] = None
     arena: Optional[ArenaInfo] = None
+    agent: str = ""
+    md_len: int = 0
+    md_sha256: bytes = b""
     mac: bytes = b""
 
 
@@ -355,6 +370,31 @@ def compat_hash(fields: dict) -> str:
     """A stable hash of what must match between peers (version, model, dtype, width, ...)."""
     blob = json.dumps({"protocol": PROTOCOL_VERSION, **fields}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def md_fields(agent_md: Optional[bytes]) -> dict:
+    """The ``md_len``/``md_sha256`` fields of a handshake carrying ``agent_md``."""
+    if agent_md is None:
+        return {}
+    return {"md_len": len(agent_md), "md_sha256": hashlib.sha256(agent_md).digest()}
+
+
+def md_problem(msg: Union[Hello, Welcome]) -> Optional[str]:
+    """What is wrong with a handshake's NIXL metadata (None: nothing, or it carries none).
+
+    NIXL must never see a copy that was cut short or altered: it keeps refusing the agent name
+    of metadata it once failed to load, and unloads a loaded agent whose name such a copy bears.
+    """
+    md = msg.agent_md
+    if md is None:
+        return None
+    if not msg.agent:
+        return "NIXL metadata without the name of its agent"
+    if msg.md_len != len(md):
+        return f"NIXL metadata of {len(md)} B, the handshake declares {msg.md_len} B (cut short or corrupted)"
+    if not hmac.compare_digest(hashlib.sha256(md).digest(), msg.md_sha256):
+        return "NIXL metadata does not match the sha256 the handshake declares (corrupted)"
+    return None
 
 
 def new_nonce() -> bytes:

@@ -1,7 +1,8 @@
 """Serving items: the producer's control plane.
 
 A ZMQ ROUTER socket answers consumers. Only a peer that completed the handshake (signed
-``Hello``, nonce bound to its connection, compatible hash: see ``handshake``) gets a session;
+``Hello``, nonce bound to its connection, compatible hash, NIXL metadata that matches its
+length and digest and names an agent we can load: see ``handshake``) gets a session;
 every other request is refused with the reason. On a session a consumer may ``Hold`` items
 (lease + where they are, so it can READ at once), ``Get`` them (a pinned READ grant), ``Push``
 them (we WRITE into its slots: see ``pusher``), ``Cancel`` pushes, read ``Stats``, send
@@ -184,14 +185,14 @@ class Server:
         s.last_seen = time.monotonic()
         if not s.used:
             s.used = True
-            # A consumer agent uses one session with us at a time: the first request on a new one
+            # A consumer rank uses one session with us at a time: the first request on a new one
             # means its older ones were lost, or belong to its previous incarnation (a restarted
-            # process: agent names are unique). Their pins and interest go now, not at lease end.
+            # process: rank names are unique). Their pins and interest go now, not at lease end,
+            # and so does an older incarnation's NIXL peer (this one's has another agent name).
             # Not at Hello: Hellos of connections it already gave up may still be queued here.
-            # Its NIXL peer stays: add_peer already replaced an older incarnation's metadata.
             for o in [o for o in self._sessions.values() if o is not s and o.name == s.name
                       and o.peer is not None and s.peer is not None]:
-                self._end_session(o, keep_peer=True)
+                self._end_session(o)
         return s
 
     def _on_hello(self, identity: bytes, msg: P.Hello) -> None:
@@ -222,8 +223,8 @@ class Server:
             return refuse(*bad)
         peer = None
         if msg.agent_md is not None and msg.arena is not None and self.transport is not None:
-            try:
-                peer = self.transport.add_peer(msg.agent_md, msg.arena, msg.incarnation, msg.name)
+            try:  # refuses, and unloads again, whatever NIXL cannot take: no session, no peer
+                peer = self.transport.add_peer(msg.agent_md, msg.arena, msg.incarnation, msg.agent)
             except Exception as e:
                 return refuse(P.Nack.INCOMPAT, f"cannot add NIXL peer: {e}")
         sid = secrets.token_hex(8)
@@ -336,10 +337,13 @@ class Server:
         self.metrics.count("reclaimed_sessions")
         self._end_session(s)
 
-    def _end_session(self, s: Session, keep_peer: bool = False) -> None:
+    def _end_session(self, s: Session) -> None:
+        """End ``s``; its NIXL peer goes with the last session of that agent (a reconnect of the
+        same incarnation shares it)."""
         self._sessions.pop(s.id, None)
         group_left = any(o.group == s.group for o in self._sessions.values())
         if self.published is not None:
             self.published.drop_session(s.id, s.group, group_left)
-        if s.peer is not None and not keep_peer and not any(o.name == s.name for o in self._sessions.values()):
-            self.transport.forget_peer(s.name)
+        agent = s.peer.name if s.peer is not None else None
+        if agent is not None and not any(o.peer is not None and o.peer.name == agent for o in self._sessions.values()):
+            self.transport.forget_peer(agent)

@@ -22,6 +22,7 @@ while idle and answers within a wake-up when a message arrives.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -32,7 +33,7 @@ from typing import Optional
 import numpy as np
 
 from ec_nixl.arena import Arena
-from ec_nixl.errors import ConfigError, TransferFailed
+from ec_nixl.errors import ConfigError, ProtocolError, TransferFailed
 from ec_nixl.protocol import ArenaInfo
 
 logger = logging.getLogger(__name__)
@@ -172,14 +173,33 @@ def nixl_calls(agent):
     return post, status
 
 
+_MD_HEAD = b"nixlSerDes|Agent"
+
+
+def md_agent(md: bytes) -> Optional[str]:
+    """The agent name NIXL metadata starts with (nixl 1.5.1: ``nixlSerDes|Agent``, a u64 length,
+    the name, ``|``), or None where it does not start that way."""
+    start = len(_MD_HEAD) + 8
+    if not md.startswith(_MD_HEAD) or len(md) < start:
+        return None
+    n = int.from_bytes(md[len(_MD_HEAD):start], "little")
+    if n > 4096 or md[start + n:start + n + 1] != b"|":
+        return None
+    try:
+        return md[start:start + n].decode()
+    except UnicodeDecodeError:
+        return None
+
+
 @dataclass
 class Peer:
     """A remote agent whose arena is prepped for transfers."""
 
-    name: str
+    name: str  # its NIXL agent name
     arena: ArenaInfo
     dlist: object  # prepped remote dlist handle
     incarnation: str
+    md_sha256: bytes = b""  # of the metadata loaded: the same agent may come again with it only
 
 
 class Xfer:
@@ -242,7 +262,13 @@ class Transport:
             "NIXL_INIT_AGENT", self._strided(arena.base, self.nblocks, arena.device_id), arena.mem_type
         )
         self.metadata: bytes = self._agent.get_agent_metadata()
-        self.peers: dict[str, Peer] = {}
+        self.peers: dict[str, Peer] = {}  # by NIXL agent name
+        # Whether we can read the agent name in a peer's metadata before NIXL does (our own
+        # metadata says whether this NIXL writes it where md_agent looks).
+        self._md_names = md_agent(self.metadata) == name
+        if not self._md_names:
+            logger.warning("ec-nixl: this NIXL's metadata format is not the one known: a peer's agent name is "
+                           "checked only after NIXL loaded its metadata")
 
     # --- ownership ----------------------------------------------------------------------
 
@@ -267,45 +293,55 @@ class Transport:
 
     # --- peers --------------------------------------------------------------------------
 
-    def add_peer(self, md: bytes, arena: ArenaInfo, incarnation: str, name: Optional[str] = None) -> Peer:
-        """Load a peer's metadata and prep its arena once; a restarted peer replaces the old one.
+    def add_peer(self, md: bytes, arena: ArenaInfo, incarnation: str, agent: str) -> Peer:
+        """Load a peer's metadata and prep its arena once.
 
-        ``name`` is the agent name the peer announced: when we still hold another incarnation of
-        it (a restarted process), its metadata and dlist are dropped first, since NIXL refuses new
-        metadata under a name it holds (NIXL_ERR_NOT_ALLOWED) and the old dlist is stale.
+        ``agent`` is the NIXL agent name the peer announced. NIXL is handed metadata only for an
+        agent it does not hold: a copy of a loaded agent's metadata that differs (cut short,
+        forged) would unload that agent, so it is refused before NIXL sees it, and the same
+        metadata again (a reconnect) is the peer we have. Whatever a failed load left in NIXL is
+        removed (NIXL still refuses that name afterwards: agent names are never reused).
         """
         self._check_owner()
         if arena.block != self.block_size:
             raise ConfigError(f"peer block size {arena.block} != local {self.block_size}")
-        stale = self.peers.get(name) if name is not None else None
-        if stale is not None and stale.incarnation != incarnation:
-            self.forget_peer(stale.name)
-        name = self._agent.add_remote_agent(md)
-        name = name.decode() if isinstance(name, (bytes, bytearray)) else str(name)
-        old = self.peers.get(name)
+        if not agent or agent == self.name:
+            raise ProtocolError(f"peer NIXL agent name {agent!r} is empty or ours")
+        named = md_agent(md) if self._md_names else agent
+        if named is None:
+            raise ProtocolError("peer NIXL metadata names no agent (not NIXL metadata)")
+        if named != agent:
+            raise ProtocolError(f"NIXL metadata of agent {named!r} announced as agent {agent!r}")
+        digest = hashlib.sha256(md).digest()
+        old = self.peers.get(agent)
         if old is not None:
-            if old.incarnation == incarnation:
+            if old.md_sha256 == digest and old.incarnation == incarnation:
                 return old
-            self._drop_dlist(old)
+            raise ProtocolError(f"NIXL agent {agent} is already loaded with other metadata "
+                                f"(incarnation {old.incarnation}); refusing to replace it")
+        try:
+            loaded = self._agent.add_remote_agent(md)
+        except Exception:
+            self._unload(agent)
+            raise
+        loaded = loaded.decode() if isinstance(loaded, (bytes, bytearray)) else str(loaded)
+        if loaded != agent:  # only where md_agent cannot read this NIXL's format
+            if loaded not in self.peers:
+                self._unload(loaded)
+            raise ProtocolError(f"NIXL metadata of agent {loaded!r} announced as agent {agent!r}")
         nblocks = arena.size // arena.block
         try:
-            dlist = self._agent.prep_xfer_dlist(name, self._strided(arena.base, nblocks, arena.device),
+            dlist = self._agent.prep_xfer_dlist(agent, self._strided(arena.base, nblocks, arena.device),
                                                 arena.mem_type)
         except Exception:
-            # An arena outside what the peer registered: unload its metadata again, or NIXL would
-            # refuse this name's next (correct) metadata for good.
-            self.peers.pop(name, None)
-            try:
-                self._agent.remove_remote_agent(name)
-            except Exception as e:
-                logger.debug("remove_remote_agent(%s): %s", name, e)
+            self._unload(agent)  # an arena outside what the peer registered
             raise
-        peer = Peer(name=name, arena=arena, dlist=dlist, incarnation=incarnation)
-        self.peers[name] = peer
+        peer = Peer(name=agent, arena=arena, dlist=dlist, incarnation=incarnation, md_sha256=digest)
+        self.peers[agent] = peer
         try:
-            self._agent.make_connection(name)
+            self._agent.make_connection(agent)
         except Exception as e:  # optional optimisation only
-            logger.debug("make_connection(%s) failed: %s", name, e)
+            logger.debug("make_connection(%s) failed: %s", agent, e)
         return peer
 
     def forget_peer(self, name: str) -> None:
@@ -314,6 +350,9 @@ class Transport:
         peer = self.peers.pop(name, None)
         if peer is not None:
             self._drop_dlist(peer)
+        self._unload(name)
+
+    def _unload(self, name: str) -> None:
         try:
             self._agent.remove_remote_agent(name)
         except Exception as e:

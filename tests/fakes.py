@@ -26,6 +26,10 @@ def raw_hello(compat: str = DEFAULT_COMPAT, token: Optional[bytes] = None, **kw)
     kw.setdefault("name", "raw-client")
     kw.setdefault("incarnation", "inc")
     kw.setdefault("nonce", P.new_nonce())
+    if kw.get("agent_md") is not None:  # metadata comes with its agent name, length and digest
+        kw.setdefault("agent", kw["name"])
+        for k, v in P.md_fields(kw["agent_md"]).items():
+            kw.setdefault(k, v)
     h = P.Hello(version=kw.pop("version", P.PROTOCOL_VERSION), compat=compat, **kw)
     P.sign(h, token)
     return h
@@ -103,7 +107,8 @@ class FakeProducer:
             if isinstance(msg, P.Hello):
                 out = self.welcome(P.Welcome(version=P.PROTOCOL_VERSION, compat=msg.compat, name=self.agent.name,
                                              incarnation=self.incarnation, session="s-1", nonce=P.new_nonce(),
-                                             agent_md=self.agent.md, arena=self.agent.arena))
+                                             agent_md=self.agent.md, arena=self.agent.arena, agent=self.agent.name,
+                                             **P.md_fields(self.agent.md)))
             elif isinstance(msg, P.Get):
                 out = self.grant(msg)
             elif isinstance(msg, P.Heartbeat):

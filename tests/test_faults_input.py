@@ -152,8 +152,10 @@ def test_fuzz_side_channel_every_reply_is_exact(make_peer, make_consumer, device
     """Random bytes, random msgpack maps (with real tags and field names) and well-formed messages
     of every type with random contents, over a raw DEALER: each gets exactly one answer, the one ``expected_reply`` names (reason, detail and req of a
     Refused; the Welcome a well-formed observer Hello is entitled to). Then hand-made hostile
-    data Hellos with the right compat hash (garbage or mismatched NIXL metadata) are refused
-    INCOMPAT naming the cause, and the producer still serves a real consumer."""
+    data Hellos with the right compat hash (garbage, cut short or mismatched NIXL metadata) are
+    refused naming the cause (BAD_REQUEST before NIXL sees metadata that does not match its
+    declared length and digest, INCOMPAT for what NIXL or the arena check refuses), and the
+    producer still serves a real consumer."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
@@ -177,24 +179,32 @@ def test_fuzz_side_channel_every_reply_is_exact(make_peer, make_consumer, device
         f"the fuzz no longer reaches every kind of answer: {counts}"
     # Each hostile Hello names a fresh agent: NIXL keeps refusing a name whose metadata it once
     # failed to load (even the correct metadata, later), so the cases must not share one.
+    def cut(a):
+        return dict(agent_md=a.md[:-20], arena=a.arena, agent=a.name)
+
     hellos = {
-        "garbage md": (lambda a: dict(agent_md=os.urandom(300), arena=a.arena), "NIXL_ERR_"),
-        "truncated md": (lambda a: dict(agent_md=a.md[:-20], arena=a.arena), "NIXL_ERR_"),
-        "arena past registration": (lambda a: dict(agent_md=a.md, arena=msgspec.structs.replace(
-            a.arena, size=a.arena.size * 4)), "NIXL_ERR_NOT_FOUND"),
-        "block size": (lambda a: dict(agent_md=a.md, arena=msgspec.structs.replace(a.arena, block=4096)),
-                       "peer block size 4096 != local 65536"),
+        "garbage md": (lambda a: dict(agent_md=os.urandom(300), arena=a.arena), "INCOMPAT",
+                       "cannot add NIXL peer: peer NIXL metadata names no agent (not NIXL metadata)"),
+        "truncated md": (lambda a: {**cut(a), **P.md_fields(a.md)}, "BAD_REQUEST",
+                         lambda a: f"NIXL metadata of {len(a.md) - 20} B, the handshake declares {len(a.md)} B"),
+        "truncated md, digest of the copy": (cut, "INCOMPAT", "cannot add NIXL peer: NIXL_ERR_"),
+        "another agent's md": (lambda a: dict(agent_md=a.md, arena=a.arena), "INCOMPAT",
+                               "cannot add NIXL peer: NIXL metadata of agent 'fake-"),
+        "arena past registration": (lambda a: dict(agent_md=a.md, agent=a.name, arena=msgspec.structs.replace(
+            a.arena, size=a.arena.size * 4)), "INCOMPAT", "cannot add NIXL peer: NIXL_ERR_NOT_FOUND"),
+        "block size": (lambda a: dict(agent_md=a.md, agent=a.name, arena=msgspec.structs.replace(a.arena, block=4096)),
+                       "INCOMPAT", "cannot add NIXL peer: peer block size 4096 != local 65536"),
     }
     try:
-        for what, (fields, detail) in hellos.items():
+        for what, (fields, reason, detail) in hellos.items():
             agent = FakeAgent()
             try:
                 reply = client.ask(raw_hello(name=f"evil-{what}", **fields(agent)))
             finally:
                 agent.close()
             print(f"[hostile hello] {what}: {reply}")
-            assert isinstance(reply, P.Refused) and reply.reason == "INCOMPAT", (what, reply)
-            assert reply.detail.startswith(f"cannot add NIXL peer: {detail}"), (what, reply.detail)
+            assert isinstance(reply, P.Refused) and reply.reason == reason, (what, reply)
+            assert reply.detail.startswith(detail(agent) if callable(detail) else detail), (what, reply.detail)
     finally:
         client.close()
     cons = make_consumer(mode="read", pool_bytes=SMALL)

@@ -14,6 +14,7 @@ import pytest
 
 from ec_nixl.barrier import LoadBarrier
 from ec_nixl.errors import LoadFailed
+from ec_nixl.handshake import agent_name
 from ec_nixl.tickets import ItemRef
 from helpers import (MODES, SMALL, connection_state, fetch, fetch_retrying, refs_for, set_peer_timeout,
                      timing)
@@ -54,8 +55,9 @@ def test_side_channel_down_then_back(make_peer, make_consumer, device):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_producer_restarted_with_new_agent_same_name_and_port(make_peer, make_consumer, device, mode):
-    """A producer is replaced by a new process with the same agent name and port (a restart): the
-    consumer must use the new agent's metadata and arena only. The new producer holds the same
+    """A producer is replaced by a new process with the same name and port (a restart; its NIXL
+    agent has a new name): the consumer must use the new agent's metadata and arena only, and
+    drops the old agent's. The new producer holds the same
     hash with other bytes at another block, and a block learned from the OLD producer's Hold is
     not trusted against the new one."""
     first = make_peer(name="phoenix")
@@ -63,7 +65,7 @@ def test_producer_restarted_with_new_agent_same_name_and_port(make_peer, make_co
     cons = make_consumer(mode=mode, pool_bytes=SMALL)
     old = [("x", (100, 100), "float32", 1)]
     fetch(cons, refs_for(first, first.call("publish", old)), old, device)
-    peer = cons.transport.peers["phoenix"]
+    peer = cons.transport.peers[agent_name("phoenix", first.incarnation)]
     assert peer.incarnation == first.incarnation
     old_dlist = peer.dlist
     desc = first.call("publish", [("y", (100, 100), "float32", 5)])[0]
@@ -81,8 +83,9 @@ def test_producer_restarted_with_new_agent_same_name_and_port(make_peer, make_co
     new = [("x", (100, 100), "float32", 2), ("y", (100, 100), "float32", 6)]
     second.call("publish", new)
     fetch(cons, refs_for(second, [d for d in second.call("publish", new[:1])]), new[:1], device)
-    peer = cons.transport.peers["phoenix"]
+    peer = cons.transport.peers[agent_name("phoenix", second.incarnation)]
     assert peer.incarnation == second.incarnation and peer.dlist is not old_dlist
+    assert agent_name("phoenix", first.incarnation) not in cons.transport.peers, "the old agent stayed loaded"
     tickets = cons.load([stale])  # held by the old incarnation: never asked of the new one
     with pytest.raises(LoadFailed):
         LoadBarrier(cons).wait(tickets)

@@ -22,6 +22,7 @@ from ec_nixl.barrier import LoadBarrier
 from ec_nixl.config import EndpointConfig
 from ec_nixl.endpoint import Endpoint
 from ec_nixl.errors import LoadFailed
+from ec_nixl.handshake import agent_name
 from ec_nixl.tickets import ItemRef
 from peers import ConsumerProcess, digest, make_item
 from helpers import SMALL, timing, wait_until  # noqa: F401
@@ -95,7 +96,7 @@ def test_unthreaded_consumer_follows_a_restarted_producer(procs, make_consumer, 
     landed(cons, [ref_from(desc, address, hold(sched, address, "a"))], 1, (64, 64))
     stale = cons.links.find(address)
     assert stale is not None and stale.incarnation == first.incarnation
-    old_dlist = cons.transport.peers["phoenix-r"].dlist
+    old_dlist = cons.transport.peers[agent_name("phoenix-r", first.incarnation)].dlist
 
     first.kill()
     second = procs(device=device, name="phoenix-r", listen=f"127.0.0.1:{port}")
@@ -107,8 +108,9 @@ def test_unthreaded_consumer_follows_a_restarted_producer(procs, make_consumer, 
     t0 = time.monotonic()
     landed(cons, [ref_from(desc, address, q)], 2, (64, 64))
     timing(f"unthreaded consumer, producer restarted ({mode}): first load landed after", time.monotonic() - t0)
-    peer = cons.transport.peers["phoenix-r"]
+    peer = cons.transport.peers[agent_name("phoenix-r", second.incarnation)]
     assert peer.incarnation == second.incarnation and peer.dlist is not old_dlist
+    assert agent_name("phoenix-r", first.incarnation) not in cons.transport.peers, "the old agent stayed loaded"
     assert cons.links.find(address).incarnation == second.incarnation
     assert cons.pool.stats().used == 0
 

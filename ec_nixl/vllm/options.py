@@ -4,7 +4,8 @@ vLLM passes ``ec_connector_extra_config`` through untouched (JSON strings stay s
 key is parsed and validated here; an unknown key fails start-up with the list of valid ones.
 The standard fields keep Mooncake-compatible meanings: ``ec_ip``/``ec_port`` (rank r of data
 parallel rank d serves on ``ec_port + d*tp + r``), ``ec_buffer_size`` (pool bytes per rank),
-``ec_buffer_device`` and ``engine_id`` (NIXL agent names are ``{engine_id}-dp{d}-tp{r}``).
+``ec_buffer_device`` and ``engine_id`` (ranks are named ``{engine_id}-dp{d}-tp{r}``; their NIXL
+agents add the incarnation).
 """
 
 from __future__ import annotations
