@@ -38,7 +38,7 @@ SHAPE = (512, 1024)  # 2 MiB of float32
 
 @pytest.fixture
 def hosts():
-    with netns.Hosts(["e", "pd"], tag="part") as h:
+    with netns.Hosts(["e", "pd"], tag="part", root=False) as h:
         yield h
 
 
