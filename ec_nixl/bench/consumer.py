@@ -251,7 +251,7 @@ def consumer_main(cfg: dict, conn, ctl) -> None:
         cons.send("env", cons.env())
         cons.run_all()
         if "raw_params" in cons.extras:
-            cons.send("env", {"raw_params": cons.extras["raw_params"]})
+            cons.send("env", {"raw_params": cons.extras["raw_params"], "raw_threads": cons.extras["raw_threads"]})
         st = cons.rpc("stats")
         left = cons.rpc("drain", 10.0)
         cons.send("prodstats", {"staging_copies": st["dev"]["counters"]["staging_copies"],

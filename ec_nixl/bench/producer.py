@@ -163,7 +163,8 @@ class Producer:
 
     def raw_open(self, peer: dict) -> dict:
         self.raw = raw_nixl.RawAgent(f"ecb-raw-prod-{os.getpid()}", self.device, peer["size"],
-                                     self.cfg.get("backend_params") or {}, fill=self.source.tensor)
+                                     self.cfg.get("backend_params") or {}, fill=self.source.tensor,
+                                     thread=raw_nixl.progress_thread(self.cfg, "producer"))
         self.raw.connect(peer)
         return self.raw.info()
 

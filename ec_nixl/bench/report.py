@@ -44,7 +44,9 @@ def report(state: dict, cfg: dict, args) -> None:
         print(f"producer: {ps['published']} items published, {ps['staging_copies']} staging copies "
               f"(staged-write only), {ps['left_bytes']} B left in its pools after the run")
     if "raw_params" in env:
-        print(f"raw-nixl agents: UCX backend parameters {env['raw_params'] or '{}'} (no progress thread)")
+        on = [k for k, v in (env.get("raw_threads") or {}).items() if v]
+        print(f"raw-nixl agents: UCX backend parameters {env['raw_params'] or '{}'} "
+              f"({'NIXL progress thread: ' + ', '.join(on) if on else 'no progress thread'})")
     if "host-bounce" in cfg["paths"] and cfg["device"] == "cuda" and not env.get("pinned", True):
         print("note: host buffers could not be pinned (cudaHostRegister failed): host-bounce used pageable DRAM")
     print("(sizes are per item; 'x ref' = p50 / reference-copy p50 and 'x raw' = p50 / raw-nixl p50 of the same "

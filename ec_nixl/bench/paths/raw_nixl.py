@@ -11,8 +11,14 @@ drives its agent meanwhile (a target may need UCX progress: wire-up, emulated pr
 notification: ec-nixl's completion messages are part of what the ratio charges to the connector.
 Each chunk poisons the head and tail of its destination slots first and checks them after.
 
-The agents get the bench's ``--backend-params`` and no NIXL progress thread (it spins for the
-whole run, shared/design/nixl.md): the target's loop drives its agent (``progress_until``); on CUDA also ``CUDA_IPC_ENABLE_GET_ZCOPY=y`` (zero-copy READ
+The agents get the bench's ``--backend-params``. On one host they have no NIXL progress thread
+(NIXL's own spins for the whole run, shared/design/nixl.md): the target's loop drives its agent
+(``progress_until``). Across hosts each agent is driven as the ec-nixl endpoint of its process is
+(``progress_thread``): over TCP a READ is emulated with messages the target must answer, and the
+way a target is woken is then part of the link's cost on both sides of the ratio (between two
+namespaces of the 2-core box, a spinning READ target made the 64 KiB floor 0.08 ms, half of
+ours, while the box was quiet, and 5-15 ms while other jobs ran; ours' producer sleeps on UCX's
+wake-up fds). On CUDA also ``CUDA_IPC_ENABLE_GET_ZCOPY=y`` (zero-copy READ
 without NVLink, shared/design/device.md) unless the environment sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY.
 """
 
@@ -30,6 +36,7 @@ ZCOPY = "CUDA_IPC_ENABLE_GET_ZCOPY"
 RING = 64  # most slots per ring: a chunk uses each slot at most once
 POISON = 0xA5
 XFER_TIMEOUT_S = 60.0
+PROGRESS_WAIT_S = 0.01  # EndpointConfig.nixl_progress_wait_s's default: what ours' producer runs with
 
 
 def backend_params(cuda: bool, params: dict, environ=os.environ) -> dict:
@@ -54,20 +61,26 @@ class RawAgent:
     source) gives it the same bytes.
     """
 
-    def __init__(self, name: str, device: str, nbytes: int, params: dict, fill=None):
+    def __init__(self, name: str, device: str, nbytes: int, params: dict, fill=None, thread: bool = False):
         import torch
         from nixl._api import nixl_agent, nixl_agent_config  # type: ignore
 
-        from ec_nixl.transport import nixl_calls
+        from ec_nixl import transport
 
         cuda = device.startswith("cuda")
         self.mem = "VRAM" if cuda else "DRAM"
         self.params = backend_params(cuda, params)
-        self.agent = nixl_agent(name, nixl_agent_config(backends=[], enable_prog_thread=False))
+        self.thread = thread
+        if thread:  # NIXL's progress thread as ec-nixl's endpoints run it: asleep on UCX's fds, not spinning
+            self.params["engine_config"] = transport._with_mt_mutex(self.params.get("engine_config", ""))
+            self.agent = transport._new_agent(name, nixl_agent_config(backends=[], enable_prog_thread=True),
+                                              PROGRESS_WAIT_S)
+        else:
+            self.agent = nixl_agent(name, nixl_agent_config(backends=[], enable_prog_thread=False))
         self.agent.create_backend("UCX", self.params)
         # The same NIXL calls as ec-nixl's transport (the bindings, not the wrapper's methods):
         # the floor must not be slower than what ours uses to reach NIXL.
-        self.post, self.status = nixl_calls(self.agent)
+        self.post, self.status = transport.nixl_calls(self.agent)
         self.buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         if fill is not None:
             self.buf.copy_(fill[:nbytes])
@@ -80,7 +93,7 @@ class RawAgent:
 
     def info(self) -> dict:
         return {"md": self.agent.get_agent_metadata(), "base": self.base, "size": self.size, "dev": self.dev,
-                "params": self.params}
+                "params": self.params, "thread": self.thread}
 
     def connect(self, info: dict) -> None:
         name = self.agent.add_remote_agent(info["md"])
@@ -212,26 +225,42 @@ class RawNixlWrite(RawNixlRead):
 
 def _open(c) -> RawAgent:
     """The consumer's agent and buffer, connected both ways with the producer's."""
-    agent = RawAgent(f"ecb-raw-cons-{os.getpid()}", c.device, c.dst_bytes, c.cfg.get("backend_params") or {})
-    agent.connect(c.rpc("raw_open", agent.info()))
+    agent = RawAgent(f"ecb-raw-cons-{os.getpid()}", c.device, c.dst_bytes, c.cfg.get("backend_params") or {},
+                     thread=progress_thread(c.cfg, "consumer"))
+    peer = c.rpc("raw_open", agent.info())
+    agent.connect(peer)
     c.extras["raw_params"] = agent.params
+    c.extras["raw_threads"] = {"producer": peer.get("thread", False), "consumer": agent.thread}
     return agent
 
 
+def progress_thread(cfg: dict, role: str) -> bool:
+    """Whether ``role``'s raw agent runs NIXL's progress thread: across hosts, as that process's
+    ec-nixl endpoints do (``--nixl-progress-thread``; auto = the producer only); never on one host."""
+    if not cfg.get("producer"):
+        return False
+    chosen = cfg.get("nixl_progress_thread")
+    return (role == "producer") if chosen is None else bool(chosen)
+
+
 def target_spins(cfg: dict) -> bool:
-    """Whether a raw transfer's target drives its agent without pause (``progress_until``): on a GPU
-    host (a READ without zero-copy needs the target per message) and across hosts (over TCP a
-    READ is emulated with messages the target answers, and a WRITE lands only as the target's
-    UCX reads its socket: a 0.5 ms tick made the 64 KiB floor 0.6 ms instead of 0.08, and the
-    9.8 MB WRITE 3x slower, in our runs between two network namespaces), so that the floor is
-    the fastest plain NIXL gets on the link."""
+    """Whether a raw transfer's target without a progress thread drives its agent without pause
+    (``progress_until``): on a GPU host (a READ without zero-copy needs the target per message)
+    and across hosts (a WRITE over TCP lands only as the target's UCX reads its socket; ours'
+    consumer, the target of ours-write, spins in its barrier too: a 0.5 ms tick made the 9.8 MB
+    raw WRITE 3x slower between two network namespaces)."""
     return cfg["device"].startswith("cuda") or bool(cfg.get("producer"))
 
 
 def progress_until(agent: RawAgent, conn, spin: bool) -> None:
-    """Be the target: drive ``agent`` until something arrives on ``conn``. Spinning when
-    ``target_spins``; else every 0.5 ms (CPU, one host), where CMA is one-sided after wire-up and
-    a spinning loop would steal one of few cores from the initiator."""
+    """Be the target until something arrives on ``conn``: drive ``agent``, spinning when
+    ``target_spins``, else every 0.5 ms (CPU, one host), where CMA is one-sided after wire-up and
+    a spinning loop would steal one of few cores from the initiator. An agent with a progress
+    thread needs nothing from us."""
+    if agent.thread:
+        while not conn.poll(0.5):
+            pass
+        return
     tick = 0.0 if spin else 0.0005
     while not conn.poll(tick):
         agent.progress()
