@@ -204,7 +204,8 @@ def test_consumer_sigkill_holding_grants(make_peer, make_consumer, device):
     and leases expire, its pool returns to 0, and it keeps serving others, including the killed
     consumer restarted under the same name (a new NIXL agent for an old name)."""
     grant, lease = 1.0, 2.0
-    prod = make_peer(grant_lease_s=grant, announce_lease_s=lease)
+    # load_timeout_s: how long the producer keeps a dropped reader's READ target (grant + it)
+    prod = make_peer(grant_lease_s=grant, announce_lease_s=lease, load_timeout_s=grant)
     cons = make_peer(ConsumerProcess, name="restarting-consumer", mode="read")
     cons.call("query_stats", (prod.address, 30))  # handshake first: the 2 s lease runs from publish
     specs = [("pinned", (300, 300), "float32", 1), ("held", (100, 100), "float32", 2)]
@@ -216,7 +217,8 @@ def test_consumer_sigkill_holding_grants(make_peer, make_consumer, device):
     st = drained(prod, grant + lease + 10)
     timing("consumer SIGKILL holding grants: producer pool back to 0 after", time.monotonic() - t0)
     assert st["pool"]["used"] == 0 and prod.call("published") == []
-    # its session is reclaimed when the connection drops (pins go with it); the leases run out
+    # its session is reclaimed when the connection drops (its pins go; the pinned slot stays until
+    # the READ's deadline, grant + load_timeout_s); the leases run out
     assert st["counters"]["reclaimed_sessions"] >= 1 and st["counters"]["expired_leases"] >= 2
     # Others are served; so is the same consumer name with a new agent (a restarted rank).
     again = make_peer(ConsumerProcess, name="restarting-consumer", mode="read")
