@@ -37,7 +37,9 @@ carries ``X-EC-Fallback``). Token equality is asserted for every request that sh
 transferred, before and after each failure. Bounds (the connector's defaults: ``link_timeout_s``
 2 s, pings every 0.5 s; a refused connection fails at once; see ec_nixl/links.py) are named
 constants below, added to the time one local-encode request takes, measured in the same test;
-measured times are printed as ``[timing]`` lines. After each case the engines answer /health and
+measured times are printed as ``[timing]`` lines. One bound is not the connector's: when E's
+host vanishes, a proxied request waits for the proxy's ``--encode-timeout`` (shortened here,
+``PROXY_ENCODE_TIMEOUT_S``: its keep-alive connection to E never fails a connect). After each case the engines answer /health and
 the producer's pool is empty again (unclaimed items expire after the encoders' short
 ``announce_lease_s``, set here so that this takes seconds, not a minute).
 
@@ -91,9 +93,13 @@ LOST_PRODUCER_S = 3.0
 quarter of it more, plus scheduling slack."""
 REFUSED_S = 1.0
 """A producer whose process died on a live host: the connection is reset or refused at once."""
-PROXY_ENCODER_LOST_S = ProxyConfig.connect_timeout_s + 1.0
-"""The proxy gives up on an encoder whose host vanished after its connect timeout (5 s), then
-sends the request to the PD without params."""
+PROXY_ENCODE_TIMEOUT_S = 8.0
+"""The proxies' ``--encode-timeout`` here (default 120 s). An encoder whose host vanished is given
+up on after the connect timeout (5 s) on a new connection, but the proxy reuses its idle
+keep-alive connection to the encoder: the request goes out on it, no connect happens, and only
+the whole-request timeout ends the wait (seen: 120 s with the default). Then the request goes to
+the PD without params."""
+PROXY_ENCODER_LOST_S = max(PROXY_ENCODE_TIMEOUT_S, ProxyConfig.connect_timeout_s) + 1.0
 DRAIN_S = ANNOUNCE_LEASE_S + 10.0
 HEALTH_S = 10.0
 
@@ -167,7 +173,9 @@ def hosts() -> Iterator[netns.Hosts]:
     why = netns.skip_reason()
     if why is not None:
         pytest.skip(why)
-    h = netns.Hosts(["e", "pd"], tag="e2e")
+    # root=True: the proxies and this process reach both hosts over the bridge (the module's
+    # UCX agents all run inside the two namespaces, so none sees the root's veth come and go).
+    h = netns.Hosts(["e", "pd"], tag="e2e", root=True)
     try:
         h.hosts_file({"encoder-host": "e"})  # before any server starts: ip netns exec mounts it then
         yield h
@@ -240,7 +248,7 @@ def deploy(hosts: netns.Hosts, baseline: Baseline, tiny_model: str,
             proxies.append(sup.spawn(Instance(
                 name=name, role="proxy", port=port, env=dict(os.environ), log_path=log_dir / f"{name}.log",
                 argv=[sys.executable, "-m", "ec_nixl.disagg.proxy", "--encoders", enc.url, "--pd", pd.url,
-                      "--host", "127.0.0.1", "--port", str(port)])))
+                      "--host", "127.0.0.1", "--port", str(port), "--encode-timeout", str(PROXY_ENCODE_TIMEOUT_S)])))
         sup.wait_healthy(proxies, 60.0)
         ep = Endpoint(EndpointConfig(name=f"e2e-hosts-status-{os.getpid()}", pool_bytes=0, threaded=True,
                                      observer=True))
@@ -277,8 +285,9 @@ def counters_after(d: Deploy, before: dict[str, float], landed: int, fallbacks: 
         return {k: m.get(k, 0.0) - before.get(k, 0.0) for k in (LANDED, FALLBACKS, FAILED_LOADS)}
 
     got = wait_until(lambda: (x := delta())[LANDED] >= landed and x[FALLBACKS] >= fallbacks and x, 5.0)
-    time.sleep(0.3)  # nothing more may come in
-    return delta() if got else delta()
+    if got:
+        time.sleep(0.3)  # and nothing more comes in
+    return delta()
 
 
 def outcome(r: requests.Response) -> dict[str, list[str]]:
@@ -424,3 +433,192 @@ def test_ucx_moves_the_bytes_over_tcp(deploy: Deploy) -> None:
     assert "inter-node" in allofit and "intra-node" not in allofit, "UCX thinks E and PD share a node"
     shm = sorted(set(re.findall(r"\b(cma|sysv|posix|xpmem|knem|shm)\b", allofit)))
     assert not shm, f"shared-memory transports in UCX's report: {shm}"
+
+
+# ------------------------------------------------------------------------------------------ failures
+
+RESUME_S = FAILED_BACKOFF_MAX_S + LOST_PRODUCER_S
+"""After the network heals: the PD retries a producer it failed on after its back-off (at most
+``FAILED_BACKOFF_MAX_S``), then one handshake."""
+
+
+def resume(d: Deploy, baseline: Baseline, proxy: Instance, tag: str) -> None:
+    """Nothing restarted: fresh requests through ``proxy`` until one is loaded again (those in the
+    PD's back-off window fall back), within ``RESUME_S``; then two more must transfer with no
+    fallback at all, token-identical."""
+    t0, fell_back, i = time.monotonic(), 0, 0
+    while True:
+        body = chat_body(d.model, [(80, 120)], f"{tag}-resume-{i}")
+        r, _ = _post(proxy.url, body)
+        assert r.status_code == 200, f"{tag}: HTTP {r.status_code}: {r.text[:500]} {d.logs()}"
+        if outcome(r).get("loaded"):
+            assert r.json()["choices"][0]["token_ids"] == baseline.token_ids(body), f"{tag}: tokens differ {d.logs()}"
+            break
+        fell_back += 1
+        assert time.monotonic() - t0 < RESUME_S, f"{tag}: no transfer {RESUME_S:.0f}s after the network healed {d.logs()}"
+        time.sleep(0.25)
+        i += 1
+    timing(f"{tag}: first transfer after the network healed ({fell_back} fell back before)", time.monotonic() - t0)
+    for j, sizes in enumerate([[(96, 96)], [(60, 90), (120, 100)]]):
+        assert_transfers(d, baseline, proxy.url, chat_body(d.model, sizes, f"{tag}-after-{j}"), f"{tag} after {j}")
+
+
+def silent_producer(d: Deploy, tag: str, t_local: float, params_body: tuple[dict[str, Any], dict[str, Any]],
+                    t_enc: float) -> None:
+    """While the PD cannot hear encoder-a: (1) a request whose item encoder-a published before,
+    sent to the PD with its params; (2) a fresh request through the proxy (which still reaches
+    both: E encodes, the PD cannot load). Both answered 200, encoded by the PD, within
+    ``LOST_PRODUCER_S`` of one local encode (plus the encoder's step for the proxied one)."""
+    body, params = params_body
+    before = d.metrics()
+    r, took = _post(d.pd.url, dict(body, ec_transfer_params=params))
+    timing(f"{tag}: PD request, item published before", took)
+    assert_fell_back(d, r, before, 1, f"{tag}, direct")
+    assert took <= LOST_PRODUCER_S + t_local, (
+        f"{tag}: answered after {took:.2f}s > {LOST_PRODUCER_S} + {t_local:.2f}s {d.logs()}")
+
+    before = d.metrics()
+    r, took = _post(d.proxy_a.url, chat_body(d.model, [(112, 84)], f"{tag}-proxy"))
+    timing(f"{tag}: proxied request, E encodes, PD cannot reach it", took)
+    assert_fell_back(d, r, before, 1, f"{tag}, proxied")
+    assert took <= LOST_PRODUCER_S + t_local + t_enc, (
+        f"{tag}: answered after {took:.2f}s > {LOST_PRODUCER_S} + {t_local:.2f} + {t_enc:.2f}s {d.logs()}")
+
+
+def published_before(d: Deploy, tag: str) -> tuple[tuple[dict[str, Any], dict[str, Any]], float]:
+    """A request encoder-a encoded (so its item is published there), and how long that took."""
+    body = chat_body(d.model, [(96, 80)], f"{tag}-early")
+    t0 = time.monotonic()
+    params = producer_params(d.enc_a, body)
+    return (body, params), timing(f"{tag}: encoder step", time.monotonic() - t0)
+
+
+def test_cut_both_ways_then_heal(deploy: Deploy, baseline: Baseline) -> None:
+    """E and PD cannot hear each other at all (packets dropped silently both ways; the proxy still
+    reaches both). Then the cut heals and transfers resume without restarting anything."""
+    d = deploy
+    t_local = local_encode_s(d, "cut-local")
+    early, t_enc = published_before(d, "cut")
+    d.hosts.cut("e", "pd")
+    try:
+        silent_producer(d, "cut", t_local, early, t_enc)
+    finally:
+        d.hosts.heal()
+    resume(d, baseline, d.proxy_a, "cut")
+    assert_healthy_and_drained(d, [d.enc_a, d.enc_b])
+
+
+def test_one_way_drop_then_heal(deploy: Deploy, baseline: Baseline) -> None:
+    """Only E -> PD is dropped: the PD's Holds reach E, E's answers and pings never come back. The
+    PD must give up as on a cut, and E must not keep what it pinned for the PD for ever."""
+    d = deploy
+    t_local = local_encode_s(d, "drop-local")
+    early, t_enc = published_before(d, "drop")
+    d.hosts.drop("e", "pd")
+    try:
+        silent_producer(d, "drop", t_local, early, t_enc)
+    finally:
+        d.hosts.heal()
+    resume(d, baseline, d.proxy_a, "drop")
+    assert_healthy_and_drained(d, [d.enc_a, d.enc_b])
+
+
+def test_encoder_host_vanishes_then_returns(deploy: Deploy, baseline: Baseline) -> None:
+    """E's interface goes down (its processes run on): nobody reaches it, the proxy included. A
+    request already holding E's params is encoded by the PD within ``LOST_PRODUCER_S``; a new one
+    through the proxy goes out on the proxy's idle keep-alive connection to the encoder, so it is
+    given up on only at ``--encode-timeout`` (see ``PROXY_ENCODE_TIMEOUT_S``), then sent to the PD
+    without params (``X-EC-Fallback``): the user gets an answer, late. The proxy's /health says
+    which backend is gone. Then the host comes back."""
+    d = deploy
+    t_local = local_encode_s(d, "vanish-local")
+    early, _ = published_before(d, "vanish")
+    d.hosts.link("e", up=False)
+    try:
+        body, params = early
+        before = d.metrics()
+        r, took = _post(d.pd.url, dict(body, ec_transfer_params=params))
+        timing("vanish: PD request, item published before", took)
+        assert_fell_back(d, r, before, 1, "vanish, direct")
+        assert took <= LOST_PRODUCER_S + t_local, f"vanish: answered after {took:.2f}s {d.logs()}"
+
+        before = d.metrics()
+        r, took = _post(d.proxy_a.url, chat_body(d.model, [(112, 84)], "vanish-proxy"))
+        timing("vanish: proxied request, encoder unreachable", took)
+        assert r.status_code == 200, f"HTTP {r.status_code}: {r.text[:500]} {d.logs()}"
+        note = r.headers.get("X-EC-Fallback", "")
+        assert d.enc_a.url in note, f"no X-EC-Fallback naming {d.enc_a.url}: {dict(r.headers)}"
+        print(f"vanish: X-EC-Fallback: {note}")
+        c = counters_after(d, before, 0)
+        assert c[LANDED] == 0 and c[FALLBACKS] == 0 and not outcome(r), f"{c} {outcome(r)}"  # no params: plain vLLM
+        assert took <= PROXY_ENCODER_LOST_S + t_local, f"vanish: proxied answer after {took:.2f}s {d.logs()}"
+
+        h = requests.get(d.proxy_a.url + "/health", timeout=30)
+        assert h.status_code == 503, h.text[:500]
+        bad = [b for b in h.json()["backends"] if not b["ok"]]
+        assert [b["url"] for b in bad] == [d.enc_a.url], h.text[:500]
+    finally:
+        d.hosts.link("e", up=True)
+    resume(d, baseline, d.proxy_a, "vanish")
+    assert_healthy_and_drained(d, [d.enc_a, d.enc_b])
+
+
+def _post_async(url: str, body: dict[str, Any]):
+    """POST in a thread; returns a function that waits for (answer, seconds since it was sent)."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    fut = pool.submit(_post, url, body)
+    pool.shutdown(wait=False)
+    return lambda: fut.result(timeout=REQUEST_TIMEOUT_S + 5)
+
+
+# Keep last: encoder-b does not come back.
+def test_encoder_killed_on_a_live_host(deploy: Deploy, baseline: Baseline) -> None:
+    """encoder-b's process group is SIGKILLed while the PD waits at it for an item (a Hold parked
+    there: ``ec_nixl_expect``, which would otherwise wait ``expect_wait_s``, 5 s) and while another
+    request's params name an item it had published. Its host is up, so the kernel resets the
+    connection and refuses new ones: the PD must give up at once (``REFUSED_S``), not after a
+    timeout. The proxy sends encoder-b's requests to the PD without params. encoder-a and the PD
+    go on."""
+    from ec_nixl.params import build_expect
+
+    d = deploy
+    enc = d.enc_b
+    t_local = local_encode_s(d, "kill-local")
+    assert_transfers(d, baseline, d.proxy_b.url, chat_body(d.model, [(70, 90)], "kill-warm"), "kill warm-up")
+    published = chat_body(d.model, [(96, 80)], "kill-published")
+    params = producer_params(enc, published)
+    stats = d.producer_stats(enc)
+    assert stats is not None
+    parked0 = stats["counters"].get("holds_parked", 0)
+    waiting = chat_body(d.model, [(88, 72)], "kill-waiting")
+    producer = f"encoder-host:{enc.ec_transfer_config['ec_port']}"
+    before = d.metrics()
+    answer = _post_async(d.pd.url, dict(waiting, ec_transfer_params=build_expect(producer)))
+    assert wait_until(lambda: ((d.producer_stats(enc) or {}).get("counters") or {}).get("holds_parked", 0) > parked0,
+                      10.0), f"the PD's Hold never waited at {enc.name} {d.logs()}"
+    t_kill = time.monotonic()
+    os.killpg(enc.proc.pid, signal.SIGKILL)
+    r, _ = answer()
+    took = timing("kill: waiting request answered after the kill", time.monotonic() - t_kill)
+    assert_fell_back(d, r, before, 1, "kill, waiting")
+    assert took <= REFUSED_S + t_local, f"kill: answered {took:.2f}s after the kill {d.logs()}"
+
+    before = d.metrics()
+    r, took = _post(d.pd.url, dict(published, ec_transfer_params=params))
+    timing("kill: PD request, item published before the kill", took)
+    assert_fell_back(d, r, before, 1, "kill, published")
+    assert took <= REFUSED_S + t_local, f"kill: answered after {took:.2f}s {d.logs()}"
+
+    before = d.metrics()
+    r, took = _post(d.proxy_b.url, chat_body(d.model, [(112, 84)], "kill-proxy"))
+    timing("kill: proxied request, encoder refused", took)
+    assert r.status_code == 200 and enc.url in r.headers.get("X-EC-Fallback", ""), (
+        f"HTTP {r.status_code} {dict(r.headers)} {r.text[:300]}")
+    assert took <= REFUSED_S + t_local, f"kill: proxied answer after {took:.2f}s {d.logs()}"
+    assert counters_after(d, before, 0)[LANDED] == 0
+
+    assert wait_until(lambda: not group_alive(enc.proc.pid), 10.0), f"{enc.name} still running after SIGKILL"
+    assert_transfers(d, baseline, d.proxy_a.url, chat_body(d.model, [(100, 64)], "kill-other"), "kill: encoder-a")
+    assert_healthy_and_drained(d, [d.enc_a])
