@@ -143,7 +143,14 @@ def placement(vllm_config, worker: bool) -> Placement:
     par = vllm_config.parallel_config
     tp_size = int(getattr(par, "tensor_parallel_size", 1))
     pcp = int(getattr(par, "prefill_context_parallel_size", 1) or 1)
-    dp_rank = int(getattr(par, "data_parallel_rank", 0) or 0)
+    # vLLM runs the DP ranks of a dense (non-MoE) model as independent engines and resets their
+    # data_parallel_rank to 0 (ParallelConfig.reconfigure_for_independent_dp_rank); the real rank
+    # stays in data_parallel_index. With the rank, every DP rank of a producer took ec_port + 0
+    # (the second failed to start) and all DP ranks of a consumer were one reader group.
+    dp_rank = getattr(par, "data_parallel_index", None)
+    if dp_rank is None:
+        dp_rank = getattr(par, "data_parallel_rank", 0)
+    dp_rank = int(dp_rank or 0)
     tp_rank = pcp_rank = 0
     if worker:
         try:
