@@ -230,6 +230,46 @@ def test_dead_or_failing_backends_are_named():
     run(main())
 
 
+def test_encoder_that_stops_answering_health_is_failed_over_and_a_busy_one_is_not():
+    """An encoder whose host vanished mid-request answers nothing, not even ``/health``: its
+    request fails over to the PD (which encodes) after ``encoder_watch_s`` + the watch timeout,
+    not after ``encode_timeout_s``. An encoder that is only slow (its request takes longer than
+    several watch periods) still answers ``/health`` and keeps its request."""
+
+    async def busy(stub: Stub, request: web.Request, body: Any) -> web.Response:
+        if request.path == "/health":
+            return web.Response(text="")
+        await asyncio.sleep(1.5)
+        return web.json_response({"choices": [], "ec_transfer_params": params_of(stub.name)})
+
+    async def vanished(stub: Stub, request: web.Request, body: Any) -> web.Response:
+        await asyncio.sleep(30)  # nothing answers: neither the request nor /health
+        return web.Response(text="late")
+
+    async def main() -> None:
+        async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
+            pd = await Stub("pd", pd_echo).start(stack)
+            slow = await Stub("busy", busy).start(stack)
+            gone = await Stub("gone", vanished).start(stack)
+            watch = dict(encoder_watch_s=0.3, encoder_watch_timeout_s=0.5, encode_timeout_s=30.0)
+            for enc, want_params in ((slow, params_of("busy")), (gone, None)):
+                proxy = await start_proxy(stack, [enc.url], [pd.url], **watch)
+                t0 = time.perf_counter()
+                async with s.post(proxy + "/v1/chat/completions", json=IMAGE_CHAT) as r:
+                    status, answer, fallback = r.status, await r.json(), r.headers.get("X-EC-Fallback", "")
+                took = time.perf_counter() - t0
+                assert status == 200, answer
+                assert answer["received"].get("ec_transfer_params") == want_params, answer
+                if want_params is None:
+                    assert "/health" in fallback and enc.url in fallback, fallback
+                    assert took < 0.3 + 0.5 + 1.0, f"failed over after {took:.2f}s"
+                else:
+                    assert not fallback and took >= 1.5, (fallback, took)
+                    assert sum(1 for path, _ in enc.seen if path == "/health") >= 2, enc.seen
+
+    run(main())
+
+
 def test_health_and_models():
     async def main() -> None:
         async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:

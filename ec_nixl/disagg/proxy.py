@@ -18,7 +18,8 @@ drops the connection or answers 5xx gives 502, one that answers 4xx (a bad reque
 status; the JSON error always names the instance (URL) and the stage that failed.
 
 Except for the encoder stage (``encoder_fallback``, on by default): an encoder that cannot be
-reached, times out or fails (5xx) is skipped and the request goes to the PD without
+reached, times out, fails (5xx) or, while it runs the request, stops answering ``/health``
+(``encoder_watch_s``: a host that vanished; a busy encoder still answers) is skipped and the request goes to the PD without
 ``ec_transfer_params``: the PD encodes the media itself, so an encoder restart costs latency, not
 errors. The answer then carries the header ``X-EC-Fallback`` naming the encoder and the cause. A
 4xx from the encoder (a bad request) is still answered as is.
@@ -97,6 +98,14 @@ class ProxyConfig:
     """Longest silence while reading a PD answer (between streamed chunks, or until a
     non-streamed answer is complete)."""
     health_timeout_s: float = 5.0
+    encoder_watch_s: float = 1.0
+    """While an encoder request runs longer than this, the encoder's ``/health`` is asked every
+    this often over a fresh connection (0: never). A busy encoder answers it (vLLM's API server
+    is not its engine); a host that vanished, whose in-flight request would otherwise wait out
+    ``encode_timeout_s`` on a connection nothing answers, does not."""
+    encoder_watch_timeout_s: float = 2.0
+    """How long one such ``/health`` may take before the encoder is given up on (its request is
+    then failed over like any encoder failure: the PD encodes)."""
     encoder_fallback: bool = True
     """Send the request to the PD without ``ec_transfer_params`` when the encoder stage fails (not
     for a 4xx): the PD encodes the media itself. Flow "pull" only (a Mooncake PD cannot)."""
@@ -115,6 +124,8 @@ class ProxyConfig:
             raise ValueError("need at least one encoder URL and one PD URL")
         self.encoders = [u.rstrip("/") for u in self.encoders]
         self.pd = [u.rstrip("/") for u in self.pd]
+        if self.encoder_watch_s < 0 or self.encoder_watch_timeout_s <= 0:
+            raise ValueError("encoder_watch_s must be >= 0 and encoder_watch_timeout_s > 0")
         if self.flow not in FLOWS:
             raise ValueError(f"unknown flow {self.flow!r}; choose one of {', '.join(FLOWS)}")
         if self.flow != "mooncake":
@@ -234,6 +245,7 @@ class Proxy:
         self._pd_ec = dict(zip(cfg.pd, cfg.pd_ec_addresses))
         self._producers: dict[str, str] = {}  # flow overlap: encoder URL -> the producer its answers announce
         self._session: Optional[aiohttp.ClientSession] = None
+        self._watch_session: Optional[aiohttp.ClientSession] = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 << 20)  # images travel inline as base64
@@ -247,10 +259,14 @@ class Proxy:
 
     async def _open(self, _app: web.Application) -> None:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        # the encoder watch must not reuse a pooled connection: that may be the one that hangs
+        self._watch_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
 
     async def _close(self, _app: web.Application) -> None:
         if self._session is not None:
             await self._session.close()
+        if self._watch_session is not None:
+            await self._watch_session.close()
 
     def _timeout(self, total: Optional[float] = None, read: Optional[float] = None) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total, sock_connect=self.cfg.connect_timeout_s, sock_read=read)
@@ -330,14 +346,49 @@ class Proxy:
         return self.cfg.encoder_fallback and not 400 <= e.status < 500
 
     async def _post_encoder(self, url: str, path: str, e_body: dict[str, Any], headers: dict[str, str]) -> Any:
-        """Send ``e_body`` to encoder ``url``; its answer's top-level ``ec_transfer_params``."""
+        """Send ``e_body`` to encoder ``url``; its answer's top-level ``ec_transfer_params``. An
+        encoder that stops answering ``/health`` meanwhile fails the call (``_watch_encoder``)."""
         t = self._timeout(total=self.cfg.encode_timeout_s)
-        async with await self._call("encoder", url, "POST", path, t, json=e_body, headers=headers) as r:
-            text = await _read_text(r, "encoder", url, t)
+
+        async def post() -> str:
+            async with await self._call("encoder", url, "POST", path, t, json=e_body, headers=headers) as r:
+                return await _read_text(r, "encoder", url, t)
+
+        if not self.cfg.encoder_watch_s:
+            text = await post()
+        else:
+            call, watch = asyncio.ensure_future(post()), asyncio.ensure_future(self._watch_encoder(url))
+            try:
+                await asyncio.wait({call, watch}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (call, watch):
+                    if not task.done():
+                        task.cancel()
+                await asyncio.gather(call, watch, return_exceptions=True)
+            text = call.result() if call.done() and not call.cancelled() else watch.result()
         try:
             return json.loads(text).get("ec_transfer_params")
         except (ValueError, AttributeError) as e:
             raise BackendError(502, "encoder", url, f"answer is not a JSON object: {text[:200]!r}") from e
+
+    async def _watch_encoder(self, url: str) -> str:
+        """Ask encoder ``url``'s ``/health`` every ``encoder_watch_s``, each over a new connection
+        bounded by ``encoder_watch_timeout_s``; raise a BackendError (503) the first time it does
+        not answer 200. Never returns normally (the encoder call it watches is cancelled then)."""
+        assert self._watch_session is not None
+        limit = self.cfg.encoder_watch_timeout_s
+        t = aiohttp.ClientTimeout(total=limit, sock_connect=limit)
+        while True:
+            await asyncio.sleep(self.cfg.encoder_watch_s)
+            try:
+                async with self._watch_session.get(url + "/health", timeout=t) as r:
+                    if r.status == 200:
+                        continue
+                    why = f"HTTP {r.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise BackendError(503, "encoder", url, f"stopped answering /health within {limit:g}s while "
+                               f"encoding ({why})")
 
     async def _encode_mooncake(self, path: str, body: dict[str, Any],
                                headers: dict[str, str]) -> tuple[str, dict[str, Any]]:
@@ -482,6 +533,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--encode-timeout", type=float, default=ProxyConfig.encode_timeout_s)
     p.add_argument("--pd-timeout", type=float, default=ProxyConfig.pd_timeout_s)
     p.add_argument("--health-timeout", type=float, default=ProxyConfig.health_timeout_s)
+    p.add_argument("--encoder-watch", type=float, default=ProxyConfig.encoder_watch_s,
+                   help="while an encoder request runs, ask that encoder's /health this often (s; 0: never)")
+    p.add_argument("--encoder-watch-timeout", type=float, default=ProxyConfig.encoder_watch_timeout_s,
+                   help="an encoder whose /health does not answer within this (s) is given up on")
     p.add_argument("--no-encoder-fallback", dest="encoder_fallback", action="store_false",
                    help="answer an encoder failure with an error instead of letting the PD encode")
     p.add_argument("--flow", choices=FLOWS, default=ProxyConfig.flow,
@@ -498,7 +553,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def config_from_args(a: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(encoders=a.encoders, pd=a.pd, connect_timeout_s=a.connect_timeout,
                        encode_timeout_s=a.encode_timeout, pd_timeout_s=a.pd_timeout,
-                       health_timeout_s=a.health_timeout, encoder_fallback=a.encoder_fallback,
+                       health_timeout_s=a.health_timeout, encoder_watch_s=a.encoder_watch,
+                       encoder_watch_timeout_s=a.encoder_watch_timeout, encoder_fallback=a.encoder_fallback,
                        flow=a.flow, pd_ec_addresses=a.pd_ec_addresses)
 
 
