@@ -58,7 +58,7 @@ def main() -> int:
     pin = dict(zip("ab", a.pin.split(":"))) if a.pin else {}
     on = {h: (["taskset", "-c", pin[h]] if h in pin else []) + py for h in "ab"}
     docs, loads = [], []
-    hosts = netns.Hosts(["a", "b"], tag="rounds")
+    hosts = netns.Hosts(["a", "b"], tag="rounds", root=False)
     try:
         with open(os.path.join(a.out, "producer.log"), "w") as plog:
             prod = hosts.popen("a", [*on["a"], "producer", "--listen", f"0.0.0.0:{a.port}", "--runs", str(a.rounds),
@@ -72,11 +72,13 @@ def main() -> int:
                     with open(os.path.join(a.out, f"round{i}.txt"), "w") as f:
                         f.write(r.stdout + r.stderr)
                     if r.returncode != 0:
-                        print(f"round {i}: exit {r.returncode}\n{(r.stdout + r.stderr)[-3000:]}", file=sys.stderr)
+                        print(f"round {i}: exit {r.returncode}, TCP so far {tcp_stats(hosts)}\n"
+                              f"{(r.stdout + r.stderr)[-3000:]}", file=sys.stderr)
                         return 1
                     docs.append(json.load(open(js)))
                     loads.append(docs[-1].get("load"))
-                    print(f"round {i}: {time.monotonic() - t0:.0f} s, load {loads[-1]}", flush=True)
+                    print(f"round {i}: {time.monotonic() - t0:.0f} s, load {loads[-1]}, TCP so far {tcp_stats(hosts)}",
+                          flush=True)
                 prod.wait(60)
             finally:
                 if prod.poll() is None:
@@ -86,6 +88,20 @@ def main() -> int:
         hosts.close()
     summarize(docs)
     return 0
+
+
+def tcp_stats(hosts) -> dict:
+    """Each host's TCP retransmissions and retransmission timeouts so far (its own counters, from
+    /proc/net inside its namespace): a link that stalled for seconds shows up here."""
+    out = {}
+    for h in ("a", "b"):
+        r = hosts.run(h, ["cat", "/proc/net/snmp", "/proc/net/netstat"], capture_output=True, text=True, timeout=10)
+        lines, vals = r.stdout.splitlines(), {}
+        for head, row in zip(lines[0::2], lines[1::2]):
+            names, nums = head.split()[1:], row.split()[1:]
+            vals.update({f"{head.split(':')[0]}.{n}": v for n, v in zip(names, nums)})
+        out[h] = f"retrans {vals.get('Tcp.RetransSegs', '?')} timeouts {vals.get('TcpExt.TCPTimeouts', '?')}"
+    return out
 
 
 def summarize(docs: list) -> None:
