@@ -38,8 +38,8 @@ transferred, before and after each failure. Bounds (the connector's defaults: ``
 2 s, pings every 0.5 s; a refused connection fails at once; see ec_nixl/links.py) are named
 constants below, added to the time one local-encode request takes, measured in the same test;
 measured times are printed as ``[timing]`` lines. One bound is not the connector's: when E's
-host vanishes, a proxied request waits for the proxy's ``--encode-timeout`` (shortened here,
-``PROXY_ENCODE_TIMEOUT_S``: its keep-alive connection to E never fails a connect). After each case the engines answer /health and
+host vanishes, a proxied request is given up on by the proxy's encoder watch (its defaults:
+``/health`` every 1 s, 2 s allowed; ``PROXY_ENCODER_LOST_S``). After each case the engines answer /health and
 the producer's pool is empty again (unclaimed items expire after the encoders' short
 ``announce_lease_s``, set here so that this takes seconds, not a minute).
 
@@ -93,13 +93,12 @@ LOST_PRODUCER_S = 3.0
 quarter of it more, plus scheduling slack."""
 REFUSED_S = 1.0
 """A producer whose process died on a live host: the connection is reset or refused at once."""
-PROXY_ENCODE_TIMEOUT_S = 8.0
-"""The proxies' ``--encode-timeout`` here (default 120 s). An encoder whose host vanished is given
-up on after the connect timeout (5 s) on a new connection, but the proxy reuses its idle
-keep-alive connection to the encoder: the request goes out on it, no connect happens, and only
-the whole-request timeout ends the wait (seen: 120 s with the default). Then the request goes to
-the PD without params."""
-PROXY_ENCODER_LOST_S = max(PROXY_ENCODE_TIMEOUT_S, ProxyConfig.connect_timeout_s) + 1.0
+PROXY_ENCODER_LOST_S = ProxyConfig.encoder_watch_s + ProxyConfig.encoder_watch_timeout_s + 1.0
+"""An encoder whose host vanished while it runs a proxied request: the request itself goes out on
+the proxy's idle keep-alive connection (no connect that could fail), so before the encoder watch
+it waited out ``--encode-timeout`` (seen: 120 s). The watch asks the encoder's ``/health`` every
+``encoder_watch_s`` over a new connection and gives up after ``encoder_watch_timeout_s``; the
+request then goes to the PD without params. Plus 1 s of slack."""
 DRAIN_S = ANNOUNCE_LEASE_S + 10.0
 HEALTH_S = 10.0
 
@@ -248,7 +247,7 @@ def deploy(hosts: netns.Hosts, baseline: Baseline, tiny_model: str,
             proxies.append(sup.spawn(Instance(
                 name=name, role="proxy", port=port, env=dict(os.environ), log_path=log_dir / f"{name}.log",
                 argv=[sys.executable, "-m", "ec_nixl.disagg.proxy", "--encoders", enc.url, "--pd", pd.url,
-                      "--host", "127.0.0.1", "--port", str(port), "--encode-timeout", str(PROXY_ENCODE_TIMEOUT_S)])))
+                      "--host", "127.0.0.1", "--port", str(port)])))
         sup.wait_healthy(proxies, 60.0)
         ep = Endpoint(EndpointConfig(name=f"e2e-hosts-status-{os.getpid()}", pool_bytes=0, threaded=True,
                                      observer=True))
@@ -526,9 +525,9 @@ def test_one_way_drop_then_heal(deploy: Deploy, baseline: Baseline) -> None:
 def test_encoder_host_vanishes_then_returns(deploy: Deploy, baseline: Baseline) -> None:
     """E's interface goes down (its processes run on): nobody reaches it, the proxy included. A
     request already holding E's params is encoded by the PD within ``LOST_PRODUCER_S``; a new one
-    through the proxy goes out on the proxy's idle keep-alive connection to the encoder, so it is
-    given up on only at ``--encode-timeout`` (see ``PROXY_ENCODE_TIMEOUT_S``), then sent to the PD
-    without params (``X-EC-Fallback``): the user gets an answer, late. The proxy's /health says
+    through the proxy goes out on the proxy's idle keep-alive connection to the encoder and is
+    given up on by the proxy's encoder watch (``PROXY_ENCODER_LOST_S``), then sent to the PD
+    without params (``X-EC-Fallback`` names the encoder and /health). The proxy's /health says
     which backend is gone. Then the host comes back."""
     d = deploy
     t_local = local_encode_s(d, "vanish-local")
@@ -547,7 +546,7 @@ def test_encoder_host_vanishes_then_returns(deploy: Deploy, baseline: Baseline) 
         timing("vanish: proxied request, encoder unreachable", took)
         assert r.status_code == 200, f"HTTP {r.status_code}: {r.text[:500]} {d.logs()}"
         note = r.headers.get("X-EC-Fallback", "")
-        assert d.enc_a.url in note, f"no X-EC-Fallback naming {d.enc_a.url}: {dict(r.headers)}"
+        assert d.enc_a.url in note and "/health" in note, f"no X-EC-Fallback naming {d.enc_a.url}: {dict(r.headers)}"
         print(f"vanish: X-EC-Fallback: {note}")
         c = counters_after(d, before, 0)
         assert c[LANDED] == 0 and c[FALLBACKS] == 0 and not outcome(r), f"{c} {outcome(r)}"  # no params: plain vLLM
