@@ -115,8 +115,12 @@ def main() -> None:
     else:
         torch.set_num_threads(1)
     prod = ProducerProcess(device=a.device, pool_bytes=pool)
-    ep = Endpoint(EndpointConfig(name=f"hotpath-{os.getpid()}", device=a.device, mode=a.mode, pool_bytes=pool,
-                                 block_bytes=BLOCK, threaded=False, load_timeout_s=60.0))
+    try:
+        ep = Endpoint(EndpointConfig(name=f"hotpath-{os.getpid()}", device=a.device, mode=a.mode, pool_bytes=pool,
+                                     block_bytes=BLOCK, threaded=False, load_timeout_s=60.0))
+    except BaseException:
+        prod.close()  # else its source file stays in /dev/shm (seen when NIXL's UCX backend failed to start)
+        raise
     barrier = LoadBarrier(ep, settle=False)
     prof = cProfile.Profile() if a.profile else None
     times: list[float] = []

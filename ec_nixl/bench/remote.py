@@ -80,8 +80,8 @@ def connect(cfg: dict) -> Channel:
         try:
             sock = socket.create_connection((host, port), timeout=10)
             break
-        except OSError as e:
-            if time.monotonic() > deadline:
+        except OSError as e:  # refused or unreachable: it may be starting; a name that does not resolve is not
+            if isinstance(e, socket.gaierror) or time.monotonic() > deadline:
                 raise proc.BenchError(f"cannot reach the bench producer at {host}:{port}: {e} "
                                       f"(is `ec-nixl bench producer --listen 0.0.0.0:{port}` running there?)") from None
             time.sleep(0.5)
@@ -91,7 +91,7 @@ def connect(cfg: dict) -> Channel:
 
     chan.send(("open", ({"wire": WIRE_VERSION, "ec_nixl": __version__, "plan": plan},)))
     try:
-        value = proc.reply(chan, "open", timeout=180)
+        proc.reply(chan, "open", timeout=180)
     except BaseException:
         chan.close()
         raise
