@@ -176,6 +176,30 @@ def test_goal_lines_are_ratios_of_the_rows(capsys):
     assert all(line in out for line in lines)
 
 
+def test_a_goal_for_another_device_is_not_missed_on_cpu():
+    """On CPU, 9.8 MB vs file is 1.5x where the H200 goal is 120x: that line must not read as a
+    failure. H200 goals print their number and 'n/a here'; the CPU goal and the goals for every
+    device keep met/MISSED; on CUDA the same rows are judged."""
+    q, m16 = parse_size("9.8M").nbytes, 16 << 20
+    rows = [_row("ours-read", q, 6400.0), _row("raw-nixl-read", q, 3290.0), _row("reference-copy", q, 2390.0),
+            _row("file", q, 9730.0), _row("ours-read", m16, 7770.0), _row("reference-copy", m16, 3900.0),
+            _row("ours-read", 32 * q, 126000.0, items=32), _row("reference-copy", 32 * q, 169000.0, items=32)]
+    state = {"rows": rows, "skipped": {}, "copybw": {"gbps": 4.1},
+             "cpu": {"idle": {"wall_s": 10.0, "cores": {"producer": 0.8, "consumer": 0.0}}}}
+    cpu = {line.split(":")[0].strip(): line for line in goals.print_goals(state, {"device": "cpu"})}
+    for name in ("9.8 MB vs file", "9.8 MB post->barrier vs reference-copy", "32x9583KiB per step vs memcpy bandwidth",
+                 "9.8 MB vs host-bounce", "9.8 MB publish->landed vs reference-copy"):
+        assert "MISSED" not in cpu[name] and "n/a here (an H200 goal; this run is on cpu)" in cpu[name], cpu[name]
+    assert "1.5x lower (6.40 ms vs 9.73 ms) — goal >= 120x lower: n/a here" in cpu["9.8 MB vs file"]
+    assert cpu["CPU 16 MiB across processes vs single-threaded memcpy"].endswith("MISSED (short by 37%)")
+    assert "goal <= 1.1x (best direction): MISSED" in cpu["9.8 MB ours vs raw-nixl (connector's own cost)"]
+    assert "MISSED (worst 40x the goal)" in cpu["idle CPU per process"]
+    gpu = {line.split(":")[0].strip(): line for line in goals.print_goals(state, {"device": "cuda"})}
+    assert gpu["9.8 MB vs file"].endswith("goal >= 120x lower: MISSED (short by 99%)")
+    assert gpu["CPU 16 MiB across processes vs single-threaded memcpy"].endswith(
+        "n/a here (a CPU goal; this run is on cuda)")
+
+
 @pytest.mark.parametrize("extra", [["--floor", "--check"], ["--python-only"], ["--items", "3", "--profile", "--top", "5"]])
 def test_hotpath_probe_runs(extra):
     """bench/probes/hotpath.py (where a load's host time goes) keeps working: a producer process,
