@@ -8,6 +8,7 @@ without the ``bench`` extra. Everything else is real: two processes, real NIXL D
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -54,6 +55,63 @@ def test_bare_install_runs_the_main_job(tmp_path):
     assert doc["cpu"]["source"] == "/proc"  # psutil hidden: read from /proc
     assert set(doc["cpu"]["idle"]["cores"]) == {"producer", "consumer"}
     assert "idle CPU per process:" in r.stdout and "ours vs raw-nixl" in r.stdout
+
+
+def test_a_plain_run_leaves_its_json_and_png_in_a_named_folder(tmp_path):
+    """The README's first command has no --json or --plot: a new user must still find a picture.
+    The run writes results.json and results.png into a fresh ec-nixl-bench-<time> folder of the
+    working directory and names it on its last line."""
+    r = subprocess.run(
+        [sys.executable, "-m", "ec_nixl.cli", "bench", "--device", "cpu", "--paths", "ours-read,reference-copy",
+         "--sizes", "64K", "--items", "2", "--batch-size", "64K", "--repeats", "3", "--min-repeats", "2",
+         "--warmup", "1", "--budget-s", "0.05", "--idle-s", "0", "--timeout", "150"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    text = r.stdout + r.stderr
+    assert r.returncode == 0, text[-4000:]
+    made = [p for p in tmp_path.iterdir()]
+    assert len(made) == 1 and made[0].name.startswith("ec-nixl-bench-"), made
+    have_mpl = importlib.util.find_spec("matplotlib") is not None
+    files = {"results.json", "results.png"} if have_mpl else {"results.json"}
+    assert {p.name for p in made[0].iterdir()} == files
+    last = r.stdout.strip().splitlines()[-1]
+    assert last == f"wrote {' and '.join(sorted(files))} to {made[0]}", last
+    doc = json.loads((made[0] / "results.json").read_text())
+    assert {(x["path"], x["items"]) for x in doc["results"]} >= {("ours-read", 1), ("ours-read", 2)}
+    assert any(g.startswith("idle CPU per process") for g in doc["goals"])
+    if have_mpl:
+        assert (made[0] / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _state():
+    return {"rows": [_row("ours-read", 64 << 10, 50.0)], "env": {}, "skipped": {}, "cpu": {}}
+
+
+def test_explicit_paths_no_save_and_a_second_run_in_the_same_second(tmp_path, monkeypatch, capsys):
+    """--json/--plot write exactly those files and no folder; --no-save writes nothing; a default
+    folder that exists (two runs started in the same second) is not shared: the second gets -2."""
+    from ec_nixl.bench import command, report
+
+    monkeypatch.chdir(tmp_path)
+    cfg = {"device": "cpu"}
+
+    def args(*argv):
+        a = command.parser().parse_args(list(argv))
+        a.out_default = not a.out
+        a.out = command.out_folder(a)
+        return a
+
+    report.save(_state(), cfg, args("--no-save"), [])
+    assert list(tmp_path.iterdir()) == []
+    report.save(_state(), cfg, args("--json", "x/b.json"), [])
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")] == ["x", "x/b.json"]
+    a = args()
+    assert a.out.startswith("ec-nixl-bench-")
+    (tmp_path / a.out).mkdir()
+    report.save(_state(), cfg, a, ["  g: n/a"])
+    assert json.loads((tmp_path / f"{a.out}-2" / "results.json").read_text())["goals"] == ["g: n/a"]
+    assert f"to {tmp_path / (a.out + '-2')}" in capsys.readouterr().out
+    assert command.main(["--no-save", "--json", "b.json"]) == 2
 
 
 LATE_READ_DONE = """

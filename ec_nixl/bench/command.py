@@ -1,7 +1,9 @@
 """The ``ec-nixl bench`` command: its options, the plan they make, and the run.
 
 ``main`` parses the options into a *plan* (a plain dict both peer processes receive: device,
-paths, cases, pool size, repeats, idle window), hands it to the orchestrator and prints the report.
+paths, cases, pool size, repeats, idle window), hands it to the orchestrator and prints the report. Unless told otherwise (``--json``/``--plot``,
+``--no-save``) it also leaves results.json and results.png in a fresh ``ec-nixl-bench-<time>``
+folder, so a first run has a picture to look at.
 Exit status: 0 when the run finished (skipped paths included), 1 when it failed or was stopped
 (what was measured is still reported), 2 on bad options.
 
@@ -12,6 +14,7 @@ Exit status: 0 when the run finished (skipped paths included), 1 when it failed 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from typing import Optional
@@ -52,8 +55,14 @@ def parser() -> argparse.ArgumentParser:
                    help="NIXL's own (spinning) progress thread: auto = on for the producer only")
     p.add_argument("--backend-params", default=None, metavar="JSON",
                    help='NIXL UCX backend parameters for every endpoint, e.g. \'{"ucx_error_handling_mode":"none"}\'')
-    p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON (schema ec-nixl-bench/1)")
-    p.add_argument("--plot", default=None, metavar="PATH", help="write a latency-vs-size PNG (needs matplotlib)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for results.json and results.png when neither --json nor --plot is given "
+                        "(default: ./ec-nixl-bench-YYYYmmdd-HHMMSS, named when the run starts)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="write results as JSON (schema ec-nixl-bench/1) here, and nothing into --out")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="write a latency-vs-size PNG (needs matplotlib) here, and nothing into --out")
+    p.add_argument("--no-save", action="store_true", help="write no file (the table and goals are only printed)")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up (killing both processes) after this many s")
     p.add_argument("--check", choices=("ends", "full"), default="ends",
                    help="what of each timed item is compared with what the producer wrote: its first and last "
@@ -122,6 +131,19 @@ def plan(args) -> dict:
     }
 
 
+def out_folder(args) -> Optional[str]:
+    """The folder the default run writes into, or None when the user chose files (or none).
+
+    A plain ``ec-nixl bench`` leaves its JSON and PNG behind so that a first run has a picture to
+    look at; explicit ``--json``/``--plot`` keep meaning "exactly these files" (scripts and tests
+    rely on nothing else appearing in their working directory)."""
+    if args.no_save or args.json or args.plot:
+        return None
+    if args.out:
+        return args.out
+    return f"ec-nixl-bench-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
 def main(argv: Optional[list] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["producer"]:
@@ -129,6 +151,15 @@ def main(argv: Optional[list] = None) -> int:
 
         return remote.producer_main(argv[1:])
     args = parser().parse_args(argv)
+    if args.no_save and (args.json or args.plot or args.out):
+        print("ec-nixl bench: --no-save with --json, --plot or --out", file=sys.stderr)
+        return 2
+    if args.out and (args.json or args.plot):
+        print("ec-nixl bench: --out names the folder of the default files; with --json/--plot give full paths",
+              file=sys.stderr)
+        return 2
+    args.out_default = not args.out
+    args.out = out_folder(args)
     try:
         if args.producer:
             from ec_nixl.bench.remote import DEFAULT_PORT, split_hostport

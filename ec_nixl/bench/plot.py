@@ -1,4 +1,4 @@
-"""``--plot``: p50 latency against bytes per operation, one line per path (needs matplotlib).
+"""``--plot`` (or results.png in a default run's folder): p50 latency against bytes per operation, one line per path (needs matplotlib).
 
 Without matplotlib the plot is skipped with a one-line reason; the run's exit status does not change.
 """
@@ -39,5 +39,4 @@ def plot(path: str, rows: list, cfg: dict, env: dict) -> bool:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    print(f"wrote {path}")
     return True

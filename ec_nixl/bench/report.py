@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import socket
+from typing import Optional
 
 from ec_nixl.bench import goals
 from ec_nixl.bench.paths import ALL_PATHS
@@ -53,14 +54,43 @@ def report(state: dict, cfg: dict, args) -> None:
           "direction, at the same size and items; staged paths add the producer's stage time to the consumer's "
           "per sample; raw-nixl-* move data only (no notification), raw-nixl-write timed on the producer's clock)")
     cpu_table(state.get("cpu") or {})
-    goals.print_goals(state, cfg)
-    if args.json:
-        write_json(args.json, state, cfg)
-        print(f"wrote {args.json}")
-    if args.plot:
-        from ec_nixl.bench import plot
+    lines = goals.print_goals(state, cfg)
+    save(state, cfg, args, lines)
 
-        plot.plot(args.plot, rows, cfg, env)
+
+def save(state: dict, cfg: dict, args, goal_lines: list) -> None:
+    """Write the files the options ask for: the explicit ``--json``/``--plot`` paths, or both into
+    ``args.out`` (the default folder, made only now, so a run that measured nothing leaves none)."""
+    from ec_nixl.bench import plot
+
+    folder = getattr(args, "out", None)
+    if folder:
+        folder = _fresh(folder, named=not getattr(args, "out_default", False))
+        jpath, ppath = os.path.join(folder, "results.json"), os.path.join(folder, "results.png")
+    else:
+        jpath, ppath = args.json, args.plot
+    wrote = []
+    if jpath:
+        write_json(jpath, state, cfg, goal_lines)
+        wrote.append(jpath)
+    if ppath and plot.plot(ppath, state["rows"], cfg, state["env"]):
+        wrote.append(ppath)
+    if folder and wrote:
+        print(f"wrote {' and '.join(os.path.basename(w) for w in wrote)} to {os.path.abspath(folder)}")
+    else:
+        for w in wrote:
+            print(f"wrote {w}")
+
+
+def _fresh(folder: str, named: bool) -> str:
+    """Make ``folder``; a default one that exists already (a run started in the same second) becomes
+    ``folder-2``, ``-3``..., so two runs never mix their files. A folder the user named is reused."""
+    base, n = folder, 1
+    while not named and os.path.exists(folder):
+        n += 1
+        folder = f"{base}-{n}"
+    os.makedirs(folder, exist_ok=True)
+    return folder
 
 
 def table(rows: list) -> None:
@@ -105,7 +135,7 @@ def cpu_table(cpu: dict) -> None:
         print(f"{who:<10} {i:>36} {ld:>36}")
 
 
-def write_json(path: str, state: dict, cfg: dict) -> None:
+def write_json(path: str, state: dict, cfg: dict, goal_lines: Optional[list] = None) -> None:
     env = state["env"]
     doc = {
         "schema": SCHEMA,
@@ -118,6 +148,7 @@ def write_json(path: str, state: dict, cfg: dict) -> None:
         "skipped": state["skipped"],
         "load": state.get("load"),
         "producer": env.get("producer"),  # across hosts: where the producer ran (else None)
+        "goals": [g.strip() for g in goal_lines or []],  # as printed, so a saved run keeps its verdicts
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
