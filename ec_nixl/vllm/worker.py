@@ -217,7 +217,11 @@ class WorkerSide:
         from vllm.distributed.parallel_state import get_tp_group
 
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group)
-        return {h for h, f in zip(hashes, flags.tolist()) if f}
+        agreed = {h for h, f in zip(hashes, flags.tolist()) if f}
+        if agreed - failed:  # the only trace of the agreement on a rank whose own loads landed
+            logger.warning("rank %d: encoding %s here too: another rank of the TP group could not load it",
+                           self.place.reader, sorted(agreed - failed))
+        return agreed
 
     def _release(self, h: str) -> None:
         """The item is in the KV cache now. vLLM may keep its encoder-cache entry for reuse, so
