@@ -9,7 +9,8 @@ the parts its configuration needs, each given its collaborators here and owning 
 * ``Server`` (``server``, with its ``Pusher``) — handshakes, holds, grants, pushes (with ``listen``);
 * ``Links`` (``links``) — connections to producers and their queries (always; a control-only
   endpoint, e.g. vLLM's scheduler, uses nothing else);
-* ``Loader`` (``loader``) — tickets and their transfers (with a pool).
+* ``Loader`` (``loader``) — tickets and their transfers (with a pool); it composes its own parts
+  (READ and WRITE lanes, the failure path, the clock).
 
 The public methods below are the whole API; each delegates to the part that owns the work.
 NIXL notifications (a producer's WRITE done) arrive on the shared agent: this module routes them.

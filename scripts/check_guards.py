@@ -80,7 +80,7 @@ BREAKAGES: tuple[Breakage, ...] = (
     Breakage(
         name="read-lands-when-posted",
         guarantee="a READ's item lands when NIXL reports the READ complete, not when it is posted",
-        file="ec_nixl/loader.py",
+        file="ec_nixl/read_lane.py",
         old="""        for t in tickets:
             t.xfer, t.t_post = x, t_post
             t.enter(Phase.READ)
@@ -88,7 +88,9 @@ BREAKAGES: tuple[Breakage, ...] = (
         new="""        for t in tickets:
             t.xfer, t.t_post = x, t_post
             t.enter(Phase.READ)
-            self._landed(t)  # BROKEN: landed at post time
+            t.land()  # BROKEN: landed at post time
+            self.metrics.count("loads_landed")
+            self.loop.changed()
 """,
         tests=("tests/test_transfer.py", "tests/test_faults_peer_death.py", "tests/test_soak.py"),
         expect=("test_barrier_waits_for_a_read_still_in_flight",
@@ -140,7 +142,7 @@ BREAKAGES: tuple[Breakage, ...] = (
         guarantee="a Hold that may wait is answered when its items are published, not before "
                   "(the overlapped flow's PD would re-encode every item)",
         file="ec_nixl/server.py",
-        old="""            if now < deadline and any(st.status != "ready" for st in items):
+        old="""            if now < deadline and not _all_ready(items):
 """,
         new="""            if False:  # BROKEN: a parked Hold is answered at the next tick, whatever its items
 """,
