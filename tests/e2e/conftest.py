@@ -70,6 +70,22 @@ def token_ids(url: str, body: dict[str, Any]) -> list[int]:
     return ids
 
 
+def nixl_metrics(url: str) -> dict[str, float]:
+    """The ``vllm:nixl_ec_*`` series of the server at ``url``, each summed over its label sets
+    (engines, ranks)."""
+    import requests
+
+    r = requests.get(url + "/metrics", timeout=10)
+    assert r.status_code == 200, r.text[:300]
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        if line.startswith("vllm:nixl_ec_"):
+            series, value = line.rsplit(" ", 1)
+            name = series.split("{", 1)[0]
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
 def wait_until(pred: Callable[[], Any], timeout_s: float, interval_s: float = 0.2) -> Any:
     """Poll ``pred`` until it returns something truthy (returned) or ``timeout_s`` passes (the last
     falsy value is returned)."""

@@ -70,6 +70,7 @@ from conftest import (  # noqa: E402  (tests/e2e/conftest.py)
     STARTUP_TIMEOUT_S,
     Baseline,
     free_port_block,
+    nixl_metrics,
     token_ids,
     wait_until,
 )
@@ -153,15 +154,7 @@ class Deploy:
             return None
 
     def metrics(self) -> dict[str, float]:
-        r = requests.get(self.pd.url + "/metrics", timeout=10)
-        assert r.status_code == 200, r.text[:300]
-        out: dict[str, float] = {}
-        for line in r.text.splitlines():
-            if line.startswith("vllm:nixl_ec_"):
-                series, value = line.rsplit(" ", 1)
-                name = series.split("{", 1)[0]
-                out[name] = out.get(name, 0.0) + float(value)
-        return out
+        return nixl_metrics(self.pd.url)
 
     def logs(self) -> str:
         return f"(logs: {self.log_dir})"
