@@ -47,9 +47,12 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: the flag Enum
 logger = logging.getLogger("ec_nixl")
 
 FAILED_BACKOFF_S = 0.5
-"""A failed link is reused (failing new work at once) this long before it is retried; doubled
-for each further failure in a row, up to ``FAILED_BACKOFF_MAX_S`` (a partition costs one request
-per retry ``link_timeout_s``, the others fail over to local encoding at once)."""
+"""A failed link is reused (failing new work at once) this long before it is retried. Doubled for
+each further *slow* failure in a row (no answer at all: each retry costs the request that makes it
+``link_timeout_s``, so a partition costs one request per retry and the others fail over to local
+encoding at once), up to ``FAILED_BACKOFF_MAX_S``. A failure that comes at once (refused: a
+producer restarting on a live host) costs its retry nothing and is retried every 0.5 s, so that
+the first request after a restarted producer listens again is served from it."""
 FAILED_BACKOFF_MAX_S = 4.0
 
 
@@ -137,7 +140,7 @@ class Links:
         self._ctx = zmq.Context.instance()
         self._links: dict[str, Link] = {}
         self._by_session: dict[str, Link] = {}
-        self._failures: dict[str, int] = {}  # address -> failed attempts in a row (back-off)
+        self._failures: dict[str, int] = {}  # address -> slow failed attempts in a row (back-off)
         self._reqs = itertools.count(1)
         loop.every_tick(self.tick)
         loop.idle_hint(self._idle_hint)
@@ -284,13 +287,14 @@ class Links:
         except zmq.ZMQError as e:
             logger.debug("send to %s failed: %s", link.address, e)
 
-    def fail(self, link: Link, error: str, reason: str) -> None:
-        """The link cannot be used (refused, unreachable, bad handshake): fail what waits on it."""
+    def fail(self, link: Link, error: str, reason: str, slow: bool = False) -> None:
+        """The link cannot be used (refused, unreachable, bad handshake): fail what waits on it.
+        ``slow``: it took a timeout to find out (the retry back-off grows)."""
         logger.warning("ec-nixl: %s", error)
         link.move(LinkState.FAILED)
         link.error, link.reason = error, reason
         link.t_start = time.monotonic()
-        self._failures[link.address] = self._failures.get(link.address, 0) + 1
+        self._failures[link.address] = self._failures.get(link.address, 0) + 1 if slow else 1
         self.listener.on_down(link, error, reason)
         self._finish_queries(link, reason, error)
         # The link stays (callers fail fast) but its socket goes: ZMQ would keep reconnecting to a
@@ -471,10 +475,10 @@ class Links:
             if link.state is LinkState.CONNECTING:
                 if not link.connected and now - link.t_unconnected > self.cfg.link_timeout_s:
                     self.fail(link, f"producer {link.address} unreachable (no connection in "
-                              f"{self.cfg.link_timeout_s:.1f}s)", "UNREACHABLE")
+                              f"{self.cfg.link_timeout_s:.1f}s)", "UNREACHABLE", slow=True)
                 elif now - link.t_start > self.cfg.peer_timeout_s:
                     self.fail(link, f"producer {link.address} unreachable (no handshake in "
-                              f"{self.cfg.peer_timeout_s:.1f}s)", "UNREACHABLE")
+                              f"{self.cfg.peer_timeout_s:.1f}s)", "UNREACHABLE", slow=True)
                 elif now - link.last_hb > min(HELLO_RESEND_MAX_S, HELLO_RESEND_S * (1 << min(link.hellos - 1, 4))):
                     # a Hello lost on a connection that broke, or a producer slow to answer: resend,
                     # backing off (0.2 s, 0.4 s, ... 2 s)

@@ -260,3 +260,46 @@ def test_cut_while_a_transfer_is_in_flight(hosts):
     finally:
         cons.kill()
         prod.kill()
+
+
+def test_producer_restarted_after_refusals_is_served_at_once(pair):
+    """While E is down on a live host, every connection is refused; those failures cost nothing,
+    so they do not grow the retry back-off (only silent ones do). Loads keep being refused for a
+    few seconds and while a new producer starts on the same address; once it listens, a load
+    lands within the fixed 0.5 s back-off (plus handshake). With a back-off doubled by every
+    refusal the wait would be up to 4 s."""
+    import threading
+
+    hosts, prod, cons = pair
+    address = prod.address
+    port = int(address.rsplit(":", 1)[1])
+    args = items(prod, "before", 13)
+    prod.kill()
+    t_end = time.monotonic() + 3.0
+    while time.monotonic() < t_end:
+        load_fails_within(cons, args, 1.0, "producer down: a refused load")
+        time.sleep(0.1)
+    box: dict = {}
+    starting = threading.Thread(target=lambda: box.setdefault("p", ProducerProcess(
+        netns=hosts.ns["e"], env=TCP_ONLY, listen=f"{hosts.addr('e')}:{port}", mode="read", pool_bytes=64 << 20)))
+    starting.start()
+    while starting.is_alive():  # refused until it listens (or served, if it already does)
+        cons.call("load", (args, 5.0), timeout=30)
+        time.sleep(0.1)
+    again = box["p"]
+    try:
+        assert again.address == address, (again.address, address)
+        t0 = time.monotonic()
+
+        def lands() -> bool:
+            try:
+                load_ok(cons, again, "after-restart", 14)
+                return True
+            except AssertionError:
+                return False
+
+        assert wait_until(lands, 10.0, 0.05), "no load landed from the restarted producer"
+        took = timing("producer restarted after refusals: first load landed after", time.monotonic() - t0)
+        assert took <= 0.5 + 1.0, f"first load from the restarted producer after {took:.2f}s"
+    finally:
+        again.kill()
