@@ -70,9 +70,9 @@ def token_ids(url: str, body: dict[str, Any]) -> list[int]:
     return ids
 
 
-def nixl_metrics(url: str) -> dict[str, float]:
+def nixl_metrics(url: str, per_engine: bool = False) -> dict[str, float]:
     """The ``vllm:nixl_ec_*`` series of the server at ``url``, each summed over its label sets
-    (engines, ranks)."""
+    (engines, ranks); with ``per_engine`` keyed ``name@engine`` instead (DP: one engine per rank)."""
     import requests
 
     r = requests.get(url + "/metrics", timeout=10)
@@ -82,6 +82,9 @@ def nixl_metrics(url: str) -> dict[str, float]:
         if line.startswith("vllm:nixl_ec_"):
             series, value = line.rsplit(" ", 1)
             name = series.split("{", 1)[0]
+            if per_engine:
+                eng = series.split('engine="', 1)[1].split('"', 1)[0] if 'engine="' in series else "?"
+                name = f"{name}@{eng}"
             out[name] = out.get(name, 0.0) + float(value)
     return out
 

@@ -67,6 +67,7 @@ from conftest import (  # noqa: E402  (tests/e2e/conftest.py)
     STARTUP_TIMEOUT_S,
     Baseline,
     free_port_block,
+    nixl_metrics,
     token_ids,
     wait_until,
 )
@@ -141,18 +142,7 @@ class Server:
 
     def metrics(self, per_engine: bool = False) -> dict[str, float]:
         """The ``vllm:nixl_ec_*`` series, summed over label sets (or per ``engine`` label: DP)."""
-        r = requests.get(self.url + "/metrics", timeout=10)
-        assert r.status_code == 200, r.text[:300]
-        out: dict[str, float] = {}
-        for line in r.text.splitlines():
-            if line.startswith("vllm:nixl_ec_"):
-                series, value = line.rsplit(" ", 1)
-                name = series.split("{", 1)[0]
-                if per_engine:
-                    eng = series.split('engine="', 1)[1].split('"', 1)[0] if 'engine="' in series else "?"
-                    name = f"{name}@{eng}"
-                out[name] = out.get(name, 0.0) + float(value)
-        return out
+        return nixl_metrics(self.url, per_engine)
 
 
 @dataclass
