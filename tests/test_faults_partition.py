@@ -105,6 +105,21 @@ def heal_and_load(hosts, prod, cons, name: str, seed: int) -> float:
     return timing(f"{name}: healed until a load landed again", time.monotonic() - t0)
 
 
+def waiting_load_fails_after(prod, cons, fault, what: str, name: str, seed: int,
+                             bound_s: float = BOUND_S + SLACK_S) -> list:
+    """A load waits for an item not written yet when ``fault()`` strikes: it fails within
+    ``bound_s`` of the fault (timed as ``what``). Returns the load's refs (for another try)."""
+    args = items(prod, name, seed, late_s=3600.0)
+    cons.send("load", (args, 30.0))
+    time.sleep(0.3)
+    t_fault = time.monotonic()
+    fault()
+    out = cons.result("load", timeout=30)
+    took = timing(what, time.monotonic() - t_fault)
+    assert out[0][1] != "landed" and took <= bound_s, (took, out)
+    return args
+
+
 def assert_pool_drains(prod) -> None:
     """Nothing stays pinned in the producer for the consumer that lost it (items unpublished)."""
     prod.call("unpublish_all")
@@ -121,14 +136,8 @@ def test_cut_while_waiting_then_new_request_then_heal(pair):
     the bound; a load sent during the cut fails within it too, the next ones at once (back-off);
     after healing, loads land again."""
     hosts, prod, cons = pair
-    args = items(prod, "waiting", 2, late_s=3600.0)
-    cons.send("load", (args, 30.0))
-    time.sleep(0.3)
-    t_cut = time.monotonic()
-    hosts.cut("e", "pd")
-    out = cons.result("load", timeout=30)
-    took = timing("cut while waiting: load failed after the cut", time.monotonic() - t_cut)
-    assert out[0][1] != "landed" and took <= BOUND_S + SLACK_S, (took, out)
+    waiting_load_fails_after(prod, cons, lambda: hosts.cut("e", "pd"),
+                             "cut while waiting: load failed after the cut", "waiting", 2)
     during = items(prod, "during", 3)
     err = load_fails_within(cons, during, LINK_TIMEOUT_S + SLACK_S, "cut: a new load (fresh connect) failed")
     assert "unreachable" in err.lower() or "no connection" in err.lower(), err
@@ -141,14 +150,8 @@ def test_one_direction_dropped(pair):
     """Packets from E to PD are dropped, PD's reach E: E's answers never arrive, and the load
     fails within the same bound."""
     hosts, prod, cons = pair
-    args = items(prod, "one-way", 5, late_s=3600.0)
-    cons.send("load", (args, 30.0))
-    time.sleep(0.3)
-    t_cut = time.monotonic()
-    hosts.drop("e", "pd")
-    out = cons.result("load", timeout=30)
-    took = timing("E->PD dropped: waiting load failed after the drop", time.monotonic() - t_cut)
-    assert out[0][1] != "landed" and took <= BOUND_S + SLACK_S, (took, out)
+    waiting_load_fails_after(prod, cons, lambda: hosts.drop("e", "pd"),
+                             "E->PD dropped: waiting load failed after the drop", "one-way", 5)
     heal_and_load(hosts, prod, cons, "after-one-way", 6)
     assert_pool_drains(prod)
 
@@ -157,15 +160,9 @@ def test_producer_host_vanishes_silently(pair):
     """E's host goes off the network (its link down, the process runs on): the waiting load fails
     within the bound; when the link comes back, loads land again."""
     hosts, prod, cons = pair
-    args = items(prod, "vanish", 7, late_s=3600.0)
-    cons.send("load", (args, 30.0))
-    time.sleep(0.3)
-    t_cut = time.monotonic()
-    hosts.link("e", up=False)
     try:
-        out = cons.result("load", timeout=30)
-        took = timing("E host link down: waiting load failed after it", time.monotonic() - t_cut)
-        assert out[0][1] != "landed" and took <= BOUND_S + SLACK_S, (took, out)
+        waiting_load_fails_after(prod, cons, lambda: hosts.link("e", up=False),
+                                 "E host link down: waiting load failed after it", "vanish", 7)
         assert prod.proc.is_alive()
     finally:
         hosts.link("e", up=True)
@@ -177,14 +174,8 @@ def test_killed_producer_is_known_at_once(pair):
     """E's process dies while its host stays up: the kernel closes its connections, so a waiting
     load fails well under a second, and a new load (connection refused) fails at once too."""
     hosts, prod, cons = pair
-    args = items(prod, "killed", 9, late_s=3600.0)
-    cons.send("load", (args, 30.0))
-    time.sleep(0.3)
-    t_kill = time.monotonic()
-    prod.kill()
-    out = cons.result("load", timeout=30)
-    took = timing("producer killed: waiting load failed after the kill", time.monotonic() - t_kill)
-    assert out[0][1] != "landed" and took <= 1.0, (took, out)
+    args = waiting_load_fails_after(prod, cons, prod.kill, "producer killed: waiting load failed after the kill",
+                                    "killed", 9, bound_s=1.0)
     time.sleep(0.1)
     err = load_fails_within(cons, args, 1.0, "producer killed: a new load (refused) failed")
     assert "refused" in err.lower() or "unreachable" in err.lower() or "lost" in err.lower(), err
