@@ -15,8 +15,9 @@ answer them on both sides, so a producer that is busy, slow to publish or starve
 still counts as alive; only ``peer_timeout_s`` of silence from its event loop while work is
 pending declares *that* lost). Handshakes are resent with back-off. A link that failed stays
 failed for a while, its socket closed, so that callers fail fast (their requests encode locally)
-instead of each waiting on a dead address; the while doubles with each failure in a row
-(``FAILED_BACKOFF_S`` up to ``FAILED_BACKOFF_MAX_S``), and a handshake resets it.
+instead of each waiting on a dead address; the while doubles with each silent failure in a row
+(``FAILED_BACKOFF_S`` up to ``FAILED_BACKOFF_MAX_S``; refusals keep it short), and a handshake
+resets it.
 """
 
 from __future__ import annotations
