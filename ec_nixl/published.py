@@ -99,6 +99,26 @@ class Item:
         return bool(self.pins or self.pushes) or self.orphaned_until > 0.0
 
 
+def _pack(pool: Pool, copies: list, allocate, ready: Optional[Fence]) -> Optional[Fence]:
+    """Give each ``(desc, None, bytes)`` of ``copies`` a slot (in place) and copy them in with ONE
+    ``native.pack``; returns the fence of the copy. The slots are one run where the pool has one
+    (a consumer loading the step then moves it as one descriptor), else ``allocate``d one by one,
+    waiting; what raises leaves the slots taken so far in ``copies`` for the caller to free."""
+    from ec_nixl import native
+
+    slots = pool.try_allocate_many([c[0].nbytes for c in copies], [c[0].mm_hash for c in copies])
+    copies[:] = [(desc, slot, src) for (desc, _, src), slot in zip(copies, slots)]
+    for i, (desc, slot, src) in enumerate(copies):
+        if slot is None:
+            copies[i] = (desc, allocate(desc.nbytes, desc.mm_hash), src)
+    native.pack([c[2] for c in copies], pool.arena.bytes, [c[1].offset for c in copies])
+    if pool.arena.device.type != "cuda":
+        return ready
+    ev = torch.cuda.Event()
+    ev.record()
+    return Both(ready, ev) if ready is not None else ev
+
+
 class Published:
     """The items table. Public calls (any thread): ``publish``/``publish_many``, ``reserve``/
     ``publish_slot``, ``unpublish``, ``hashes``; the rest is for the server (owner thread)."""
@@ -135,7 +155,7 @@ class Published:
         """
         pool = self.pool
         descs: list[P.ItemDesc] = []
-        copies: list[tuple[P.ItemDesc, Slot, torch.Tensor]] = []
+        copies: list[tuple[P.ItemDesc, Optional[Slot], torch.Tensor]] = []
         seen: dict[str, P.ItemDesc] = {}
         try:
             for mm_hash, tensor in items:
@@ -159,22 +179,15 @@ class Published:
                         pool.hold(slot)
                         self._add(desc, slot, ready)
                     else:
-                        slot = self._allocate(desc.nbytes, mm_hash)
-                        copies.append((desc, slot, tensor.reshape(-1).view(torch.uint8)))
+                        copies.append((desc, None, tensor.reshape(-1).view(torch.uint8)))
                 seen[mm_hash] = desc
                 descs.append(desc)
             if copies:
-                from ec_nixl import native
-
-                native.pack([c[2] for c in copies], pool.arena.bytes, [c[1].offset for c in copies])
-                fence = ready
-                if pool.arena.device.type == "cuda":
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    fence = Both(ready, ev) if ready is not None else ev
+                fence = _pack(pool, copies, self._allocate, ready)
         except Exception:
             for _, slot, _ in copies:
-                pool.release(slot)
+                if slot is not None:
+                    pool.release(slot)
             raise
         for desc, slot, _ in copies:
             self._add(desc, slot, fence)

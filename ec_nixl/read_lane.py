@@ -81,16 +81,16 @@ class ReadLane:
                 continue
             # One pool lock for the step; an item that does not fit now takes the general path
             # (Loader._dispatch retries it, waits for space or fails it with the reason).
-            slots = self.pool.try_allocate_many([t.ref.desc.nbytes for t in batch], [t.mm_hash for t in batch])
+            slots = self.pool.try_allocate_many([t.ref.desc.nbytes for t in batch], [t.ref.desc.mm_hash for t in batch])
             ready = []
             for t, slot in zip(batch, slots):
                 if slot is None:
                     rest.append(t)
                 else:
                     t.slot, t.mode = slot, "read"
-                    ready.append((t, t.ref.block))
+                    ready.append(t)
             if ready:
-                self.post(link, ready)
+                self.post(link, ready, [(t.slot.block, t.ref.block, t.slot.nblocks) for t in ready])
                 self.links.wake(link)  # bookkeeping (the silence clock), after the DMA started
         return rest
 
@@ -99,26 +99,26 @@ class ReadLane:
         batch = [(t, b) for t, b in work.read_queue if t.pending]
         work.read_queue = []
         if batch:
-            self.post(link, batch)
+            self.post(link, [t for t, _ in batch], [(t.slot.block, b, t.slot.nblocks) for t, b in batch])
 
-    def post(self, link: Link, batch: list[tuple[LoadTicket, int]]) -> None:
-        """Post ``(ticket, producer block)`` pairs as ONE READ request. (Their tensor views are
-        built by a waiter while the DMA runs, see ``drive``, or at landing.)"""
+    def post(self, link: Link, tickets: list[LoadTicket], ranges: list[tuple[int, int, int]]) -> None:
+        """Post the READs of ``tickets`` (``ranges[i]`` = (our block, the producer's block, blocks)
+        of ``tickets[i]``) as ONE request; the bookkeeping follows the post, while the DMA runs.
+        (Their tensor views are built by a waiter while the DMA runs, see ``drive``, or at landing.)"""
         # No notification rides the READ: NIXL would report DONE only once the producer's side
         # has taken it, which needs the producer's progress. A ReadDone message is sent after
         # DONE instead (settle), off the hand-over.
         t_post = time.perf_counter()
         try:
-            x = self.transport.post_many("READ", link.peer, [(t.slot.block, b, t.slot.nblocks) for t, b in batch])
+            x = self.transport.post_many("READ", link.peer, ranges)
         except TransferFailed as e:
-            for t, _ in batch:
+            for t in tickets:
                 self.fail(t, str(e), e.reason)
             return
-        tickets = [t for t, _ in batch]
         self.in_flight[x] = tickets
         for t in tickets:
             t.xfer, t.t_post = x, t_post
-            t.enter(Phase.READ)
+            t.enter(_READ)
 
     # --- the waiter drives its own transfers -------------------------------------------
 

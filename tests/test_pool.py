@@ -176,6 +176,26 @@ def test_try_allocate_many_gives_none_for_what_does_not_fit_now(pool):
     assert pool.stats().used == 0
 
 
+def test_try_allocate_many_keeps_a_step_back_to_back_past_a_hole(pool):
+    """A step's slots come from one extent that holds them all, in order, even where first-fit per
+    item would put the first ones in a hole and the rest elsewhere (NIXL then moves the step as
+    one descriptor); each slot is still freed on its own, and the pool ends whole."""
+    a = pool.allocate(2 * BLOCK, tag="a")
+    b = pool.allocate(BLOCK, tag="b")
+    pool.release(a)  # a 2-block hole at the start, the rest free after b
+    x, y, z = pool.try_allocate_many([BLOCK, BLOCK, BLOCK // 2], ["x", "y", "z"])
+    assert (y.block, z.block) == (x.block + 1, x.block + 2) and x.block == b.block + 1
+    assert [s.tag for s in (x, y, z)] == ["x", "y", "z"] and pool.stats().allocations == 5
+    assert pool.free_runs()[0] == 2  # the hole is untouched
+    # No extent holds the whole step: slot by slot, first-fit (the hole is used).
+    big = pool.capacity // BLOCK - 6
+    p, q = pool.try_allocate_many([BLOCK, big * BLOCK], ["p", "q"])
+    assert p.block == a.block and q is not None and q.block == z.block + 1
+    for s in (b, x, z, y, p, q):
+        pool.release(s)
+    assert pool.stats().used == 0 and pool.free_runs() == [pool.capacity // BLOCK]
+
+
 def test_try_allocate_waits_for_nothing_and_reports_the_free_runs(pool):
     """What a waiting publisher polls: a slot or None (never PoolExhausted, never an eviction),
     a deferred slot whose fence completed counts as free, an item that can never fit still

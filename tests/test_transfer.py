@@ -466,6 +466,48 @@ def test_publish_many_packs_a_step_and_cleans_up_on_error(make_consumer, device)
         fetch(cons, [ItemRef(desc=d, producer=prod.address) for d in descs[:9]], specs, device)
 
 
+def test_a_step_published_together_moves_as_one_descriptor(make_consumer, device):
+    """Items published in one step lie back to back in the producer's pool and are loaded back
+    to back into the consumer's, even past holes that first-fit per item would use, so one NIXL
+    READ moves the whole step as ONE descriptor (NIXL's own telemetry counts them), byte-exact."""
+    from ec_nixl.config import EndpointConfig
+    from ec_nixl.endpoint import Endpoint
+
+    bs = 64 << 10
+    specs = [(f"s{i}", (rows, bs // 256 // 2), "bfloat16", 70 + i) for i, rows in enumerate((200, 700, 100, 500))]
+
+    def hole(ep):  # a 2-block hole in front of the free space: items of 1-2 blocks would go there
+        a, b = ep.pool.allocate(2 * bs, tag="hole"), ep.pool.allocate(bs, tag="wall")
+        ep.pool.release(a)
+        return b
+
+    with Endpoint(EndpointConfig(name="steps", device=device, pool_bytes=16 << 20, threaded=True,
+                                 listen="127.0.0.1:0")) as prod:
+        wall = hole(prod)
+        descs = prod.publish_many([(h, make_item(seed, shape, dt, device)) for h, shape, dt, seed in specs])
+        cons = make_consumer(mode="read", pool_bytes=16 << 20)
+        cwall = hole(cons)
+        states = cons.hold(prod.address, [d.mm_hash for d in descs], timeout=5)
+        blocks = [states[d.mm_hash].block for d in descs]
+        sizes = [prod.pool.blocks_for(d.nbytes) for d in descs]
+        assert all(b > wall.block for b in blocks), "the producer's step must skip the hole"
+        assert blocks == [blocks[0] + sum(sizes[:i]) for i in range(len(sizes))], (blocks, sizes)
+        refs = [ItemRef(desc=d, producer=prod.address, block=b, valid_until=time.time() + 30)
+                for d, b in zip(descs, blocks)]
+        before = cons.metrics.snapshot()["counters"]
+        tickets = cons.load(refs)
+        check(LoadBarrier(cons).wait(tickets), specs, device)
+        slots = [t.slot.block for t in tickets]
+        assert slots[0] > cwall.block and slots == [slots[0] + sum(sizes[:i]) for i in range(len(sizes))], slots
+        for t in tickets:
+            t.release()
+        cons.progress()  # settle: the request's telemetry
+        after = cons.metrics.snapshot()["counters"]
+        assert (after["transfers"] - before["transfers"], after["descriptors"] - before["descriptors"]) == (1, 1)
+        cons.pool.release(cwall)
+        prod.pool.release(wall)
+
+
 def _cpu_s(pid: int) -> float:
     """CPU seconds (user + system) of every thread of process ``pid`` so far."""
     with open(f"/proc/{pid}/stat") as f:
