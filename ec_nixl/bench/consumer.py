@@ -20,6 +20,7 @@ from ec_nixl.bench.paths.base import Skip
 from ec_nixl.bench.units import BLOCK, ItemSpec, pctl
 
 LOADED = ("ours-read", "ours-write")  # the cases that make "under load" in the idle table
+READS = ("ours-read", "publish-landed", "expect-landed")  # the consumer's READ link moves their bytes
 SETTLE_FIRST = ("items", "stage_unpublished", "drain")  # producer commands that wait for our reads to be freed
 
 
@@ -139,6 +140,8 @@ class Consumer:
         meter = self.loaded if path in LOADED else None
         if meter:
             meter.start()
+        reads = self.eps.get("read") if path in READS else None
+        before = reads.metrics.snapshot()["counters"] if reads is not None else None
         t_case = time.perf_counter()
         try:
             while True:
@@ -156,14 +159,21 @@ class Consumer:
             if meter:
                 meter.stop()
             impl.finish()
-        self.row(path, spec.nbytes * per_op, per_op, samples, spec.label)
+        extra = {}
+        if reads is not None:
+            self.settle()  # the last operation's telemetry is taken at its settle
+            after = reads.metrics.snapshot()["counters"]
+            n = after["transfers"] - before["transfers"]
+            if n > 0:
+                extra["descs_per_request"] = (after["descriptors"] - before["descriptors"]) / n
+        self.row(path, spec.nbytes * per_op, per_op, samples, spec.label, **extra)
 
-    def row(self, path: str, nbytes: int, items: int, samples: list[float], label: str) -> None:
+    def row(self, path: str, nbytes: int, items: int, samples: list[float], label: str, **extra) -> None:
         us = [s * 1e6 for s in samples]
         p50 = pctl(us, 50)
         self.send("row", {"path": path, "bytes": int(nbytes), "items": int(items), "p50_us": p50,
                           "p99_us": pctl(us, 99), "gbps": (nbytes / (p50 * 1e-6) / 1e9) if p50 > 0 else 0.0,
-                          "n": len(us), "label": label})
+                          "n": len(us), "label": label, **extra})
 
     def run_all(self) -> None:
         cfg = self.cfg

@@ -34,6 +34,11 @@ def report(state: dict, cfg: dict, args) -> None:
         print(f"across hosts: producer at {env['producer']}, consumer here ({socket.gethostname()}); "
               f"'x raw' is ours / plain NIXL over the same link")
     table(rows)
+    descs = [f"{r['path']} {r['label']} x{r['items']}: {r['descs_per_request']:.1f}" for r in rows
+             if r.get("descs_per_request") is not None and r["items"] > 1]
+    if descs:
+        print("NIXL descriptors per READ request (NIXL telemetry; contiguous blocks merge into one): "
+              + ", ".join(descs))
     for p, why in state["skipped"].items():
         print(f"{p}: skipped: {why}")
     cb = state.get("copybw")
@@ -142,7 +147,8 @@ def write_json(path: str, state: dict, cfg: dict, goal_lines: Optional[list] = N
         "device": env.get("gpu") or ("cpu" if cfg["device"] == "cpu" else cfg["device"]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "results": [{"path": r["path"], "bytes": int(r["bytes"]), "items": int(r["items"]),
-                     "p50_us": float(r["p50_us"]), "p99_us": float(r["p99_us"]), "gbps": float(r["gbps"])}
+                     "p50_us": float(r["p50_us"]), "p99_us": float(r["p99_us"]), "gbps": float(r["gbps"]),
+                     **({"descs_per_request": r["descs_per_request"]} if "descs_per_request" in r else {})}
                     for r in state["rows"]],
         "cpu": state.get("cpu") or {},  # added in place of a schema bump: readers of /1 ignore it
         "skipped": state["skipped"],

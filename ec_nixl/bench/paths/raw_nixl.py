@@ -3,9 +3,10 @@ processes with plain NIXL and nothing of ec-nixl, so ``ours ÷ raw-nixl`` is the
 
 One ``nixl_agent`` per process, made when the first raw case runs, each over its own buffer
 registered once. Per case both sides prep one strided descriptor list of a ring of item-sized
-slots (``prep_xfer_dlist``; slot k is the same on both sides); an operation is one prepped
-request over a step's slots + its post, polled by the host until DONE (NIXL's bindings, called
-as ec-nixl's transport calls them: ``transport.nixl_calls``), timed on the initiator's clock.
+slots, back to back (``prep_xfer_dlist``; slot k is the same on both sides), so that NIXL merges
+a step's slots into one descriptor; an operation is one prepped request over a step's slots + its
+post, polled by the host until DONE (NIXL's bindings, called as ec-nixl's transport calls them:
+``transport.nixl_calls``), timed on the initiator's clock.
 The consumer READs (``raw-nixl-read``), the producer WRITEs (``raw-nixl-write``); the other side
 drives its agent meanwhile (a target may need UCX progress: wire-up, emulated protocols). Data only, no
 notification: ec-nixl's completion messages are part of what the ratio charges to the connector.
@@ -101,13 +102,19 @@ class RawAgent:
         self.peer_info = info
 
     def prep(self, nbytes: int, count: int, stride: int) -> list:
-        """Prep slot k = [k*stride, +nbytes) on both sides; returns the head/tail probe of each slot."""
+        """Prep slot k = [k*stride, +stride) on both sides; returns the head/tail probe of each
+        slot's first ``nbytes`` (the item).
+
+        The slots are dense (a descriptor spans its whole stride, the item plus its padding to
+        4 KiB), so NIXL merges a step's consecutive slots into ONE descriptor, as it merges ours'
+        consecutive pool blocks: the floor moves a step as one operation (with a descriptor per
+        item it was 1.6x slower on the H200, bench/probes/step_floor.py)."""
         import numpy as np
 
         self.unprep()
 
-        def ring(base: int, dev: int):  # one strided row: count slots of nbytes, stride apart
-            return np.array([[base, nbytes, dev, stride, count]], dtype=np.uint64)
+        def ring(base: int, dev: int):  # one strided row: count slots of stride bytes each, back to back
+            return np.array([[base, stride, dev, stride, count]], dtype=np.uint64)
 
         p = self.peer_info
         self.ring = (self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", ring(self.base, self.dev), self.mem),
