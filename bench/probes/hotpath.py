@@ -124,6 +124,7 @@ def main() -> None:
     barrier = LoadBarrier(ep, settle=False)
     prof = cProfile.Profile() if a.profile else None
     times: list[float] = []
+    loads: list[float] = []  # load() alone: everything before (and including) the post
     floor: list[float] = []
     ring: list = []
     try:
@@ -139,6 +140,7 @@ def main() -> None:
                     prof.enable()
                 t0 = time.perf_counter()
                 tickets = ep.load(op)
+                t1 = time.perf_counter()
                 out = barrier.wait(tickets, timeout=60)
                 dt = time.perf_counter() - t0
                 if prof is not None:
@@ -153,6 +155,7 @@ def main() -> None:
                         t.release()
                 if done >= 0:
                     times.append(dt)
+                    loads.append(t1 - t0)
                     if a.floor and a.mode == "read":
                         floor.append(bare_read(ep, op))
                 done += 1
@@ -162,13 +165,16 @@ def main() -> None:
     times.sort()
     print(f"{a.device} {a.mode} {a.size} x{a.items} check={a.check} ring={a.ring}: n={len(times)} p50 {statistics.median(times) * 1e6:.1f} us "
           f"p10 {times[len(times) // 10] * 1e6:.1f} p90 {times[len(times) * 9 // 10] * 1e6:.1f} "
-          f"min {times[0] * 1e6:.1f}")
+          f"min {times[0] * 1e6:.1f}; load() alone p50 {statistics.median(loads) * 1e6:.1f} us")
     if floor:
         floor.sort()
         print(f"bare transfer (same agent, link, blocks; post + poll, no ec-nixl bookkeeping): "
               f"p50 {statistics.median(floor) * 1e6:.1f} us min {floor[0] * 1e6:.1f}")
     if prof is not None:
-        pstats.Stats(prof).sort_stats("tottime").print_stats(a.top)
+        st = pstats.Stats(prof).sort_stats("tottime")
+        st.print_stats(a.top)
+        if os.environ.get("HOTPATH_CALLEES"):
+            st.print_callees(os.environ["HOTPATH_CALLEES"])
 
 
 if __name__ == "__main__":
