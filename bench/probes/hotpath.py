@@ -42,6 +42,9 @@ def bare_read(ep, refs) -> float:
     return dt
 
 
+POSTED: list[float] = []  # --python-only: when each post happened (the DMA would start there)
+
+
 def fake_nixl_after(warm_posts: int = 20) -> None:
     """``--python-only``: after ``warm_posts`` real posts, Transport's post/poll/release become
     instant fakes (a request is DONE at its first poll, nothing moves), so an operation's time is
@@ -54,6 +57,7 @@ def fake_nixl_after(warm_posts: int = 20) -> None:
 
     def fake_post(self, op, peer, ranges, notif=b""):
         posts[0] += 1
+        POSTED.append(time.perf_counter())
         if posts[0] <= warm_posts:
             return post(self, op, peer, ranges, notif)
         return T.Xfer(None, op, peer.name, sum(r[2] for r in ranges) * self.block_size, "PROC")
@@ -125,6 +129,7 @@ def main() -> None:
     prof = cProfile.Profile() if a.profile else None
     times: list[float] = []
     loads: list[float] = []  # load() alone: everything before (and including) the post
+    to_post: list[float] = []  # --python-only: load() called -> the post (the critical path before the DMA)
     floor: list[float] = []
     ring: list = []
     try:
@@ -156,6 +161,8 @@ def main() -> None:
                 if done >= 0:
                     times.append(dt)
                     loads.append(t1 - t0)
+                    if POSTED and POSTED[-1] > t0:
+                        to_post.append(POSTED[-1] - t0)
                     if a.floor and a.mode == "read":
                         floor.append(bare_read(ep, op))
                 done += 1
@@ -165,7 +172,8 @@ def main() -> None:
     times.sort()
     print(f"{a.device} {a.mode} {a.size} x{a.items} check={a.check} ring={a.ring}: n={len(times)} p50 {statistics.median(times) * 1e6:.1f} us "
           f"p10 {times[len(times) // 10] * 1e6:.1f} p90 {times[len(times) * 9 // 10] * 1e6:.1f} "
-          f"min {times[0] * 1e6:.1f}; load() alone p50 {statistics.median(loads) * 1e6:.1f} us")
+          f"min {times[0] * 1e6:.1f}; load() alone p50 {statistics.median(loads) * 1e6:.1f} us"
+          + (f", until the post {statistics.median(to_post) * 1e6:.1f} us" if to_post else ""))
     if floor:
         floor.sort()
         print(f"bare transfer (same agent, link, blocks; post + poll, no ec-nixl bookkeeping): "
