@@ -4,7 +4,9 @@ Each line names the goal, the measured ratio with the two numbers it comes from,
 a goal this run cannot judge says ``n/a`` and why (a path skipped, a size not run), and a goal set
 for another device than the one measured says ``n/a here`` with the device it is for.
 The goals come from the issues: 10/11 (the hot path at the physical limit: vs the CUDA-IPC copy,
-vs plain NIXL, batch throughput, step-side cost) and 12 (idle cost, the CPU data path).
+vs plain NIXL, batch throughput, step-side cost), 12 (idle cost, the CPU data path) and 25 (on
+the H200: a step at copy-engine speed, each direction's own cost over plain NIXL, publish ->
+landed within a few copies).
 """
 
 from __future__ import annotations
@@ -60,6 +62,15 @@ def print_goals(state: dict, cfg: dict) -> list[str]:
                     "needs 9.8M, ours-* and reference-copy")
     for nbytes in (QWEN, 64 << 20):
         _vs_raw(out, by, nbytes, state["skipped"])
+    for ours, raw, limit in (("ours-read", "raw-nixl-read", 1.3), ("ours-write", "raw-nixl-write", 1.5)):
+        o1, r1 = by.get((ours, QWEN, 1)), by.get((raw, QWEN, 1))
+        name = f"9.8 MB {ours} vs {raw}"
+        if o1 and r1:
+            x = o1["p50_us"] / r1["p50_us"]
+            out.add(name, f"{x:.2f}x ({fmt_us(o1['p50_us'])} vs {fmt_us(r1['p50_us'])})", f"<= {limit}x", x <= limit,
+                    "" if x <= limit else f"over by {(x / limit - 1) * 100:.0f}%", device=H200)
+        else:
+            out.add(name, None, detail=f"needs 9.8M, {ours} and {raw}", device=H200)
     _batch(out, rows, by, state.get("copybw"), gpu, best_ours)
     for path, goal in (("host-bounce", 30.0), ("file", 120.0)):
         p = by.get((path, QWEN, 1))
@@ -87,21 +98,21 @@ def print_goals(state: dict, cfg: dict) -> list[str]:
         out.add(f"barrier pass, {b['items']} landed item(s)", f"{b['p50_us']:.1f} us (p99 {b['p99_us']:.1f} us)",
                 f"{q} <= 50 us", v <= 50, "" if v <= 50 else f"{q} over by {v - 50:.1f} us", device=ANY)
     _near_reference(out, "9.8 MB publish->landed vs reference-copy", by.get(("publish-landed", QWEN, 1)), ref, "",
-                    state["skipped"].get("publish-landed", "needs 9.8M, publish-landed and reference-copy"))
+                    state["skipped"].get("publish-landed", "needs 9.8M, publish-landed and reference-copy"), limit=4.0)
     _idle(out, state.get("cpu") or {})
     return out.out
 
 
 def _near_reference(out: _Lines, name: str, row: Optional[dict], ref: Optional[dict], label: str,
-                    missing: str) -> None:
-    """``row`` within 1.25x the reference copy's p50 (issue 11: the CUDA-IPC copy on an H200), or n/a
-    with ``missing``."""
+                    missing: str, limit: float = 1.25) -> None:
+    """``row`` within ``limit`` x the reference copy's p50 (the CUDA-IPC copy on an H200: issue 11
+    asks 1.25x of a load, issue 25 4x of publish -> landed), or n/a with ``missing``."""
     if not (row and ref):
         out.add(name, None, detail=missing, device=H200)
         return
     x = row["p50_us"] / ref["p50_us"]
-    out.add(name, f"{x:.2f}x ({label}{fmt_us(row['p50_us'])} vs {fmt_us(ref['p50_us'])})", "<= 1.25x",
-            x <= 1.25, "" if x <= 1.25 else f"over by {(x / 1.25 - 1) * 100:.0f}%", device=H200)
+    out.add(name, f"{x:.2f}x ({label}{fmt_us(row['p50_us'])} vs {fmt_us(ref['p50_us'])})", f"<= {limit:g}x",
+            x <= limit, "" if x <= limit else f"over by {(x / limit - 1) * 100:.0f}%", device=H200)
 
 
 def _vs_raw(out: _Lines, by: dict, nbytes: int, skipped: dict) -> None:
@@ -124,8 +135,9 @@ def _vs_raw(out: _Lines, by: dict, nbytes: int, skipped: dict) -> None:
 
 
 def _batch(out: _Lines, rows: list, by: dict, cb: Optional[dict], gpu: bool, best_ours) -> None:
-    """A step of many items: against the in-process copy bandwidth (>= 70%) and the cross-process
-    reference copy of the same step (>= 1.0x its throughput); issue 10's targets for VRAM."""
+    """A step of many items: against the in-process copy bandwidth (>= 85%, issue 25; issue 10 had
+    asked 70%, when one descriptor per item capped plain NIXL at ~64%) and the cross-process
+    reference copy of the same step (>= 1.0x its throughput, issue 10); targets for VRAM."""
     items = max([r["items"] for r in rows if r["items"] > 1] or [0])
     ob = None
     if items:
@@ -138,8 +150,8 @@ def _batch(out: _Lines, rows: list, by: dict, cb: Optional[dict], gpu: bool, bes
     if cb:
         frac = ob["gbps"] / cb["gbps"]
         out.add(f"{step} vs {'D2D copy' if gpu else 'memcpy'} bandwidth", f"{frac * 100:.0f}% ({ob['path']} "
-                f"{ob['gbps']:.1f} GB/s vs {cb['gbps']:.1f} GB/s)", ">= 70%", frac >= 0.7,
-                "" if frac >= 0.7 else f"short by {(0.7 - frac) * 100:.0f} points", device=H200)
+                f"{ob['gbps']:.1f} GB/s vs {cb['gbps']:.1f} GB/s)", ">= 85%", frac >= 0.85,
+                "" if frac >= 0.85 else f"short by {(0.85 - frac) * 100:.0f} points", device=H200)
     rb = by.get(("reference-copy", ob["bytes"], items))
     if rb:
         x = ob["gbps"] / rb["gbps"]
