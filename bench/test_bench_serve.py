@@ -58,5 +58,10 @@ def test_bench_serve_runs_every_deployment(tmp_path):
     assert pd.get("expected_items", 0) >= 1, pd
     # E's side, read over its side channel: it published every image, and PD's Holds waited there
     assert e.get("published", 0) >= 6 and e.get("holds_parked", 0) >= 1 and "publish_ms" in e, e
+    # CPU spent per request by each deployment's processes (E, PD, proxy: their whole trees).
+    for d in deps:
+        cpu = next(p["cpu_s"] for p in res["phases"] if p["deployment"] == d)
+        assert {"encoder0", "pd0", "proxy"} <= set(cpu) and all(v > 0 for v in cpu.values()), (d, cpu)
+    assert "CPU per completed request" in r.stdout and "  nixl: total " in r.stdout, r.stdout[-3000:]
     if (out / "r.png").exists():  # matplotlib is in the test requirements; the plot is optional otherwise
         assert (out / "r.png").stat().st_size > 1000

@@ -113,7 +113,7 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
         with Supervisor() as sup:
             sup.spawn(inst)
             sup.wait_healthy([inst], 900.0)
-            yield {"url": inst.url, "pd": inst.url, "e_ec": None}
+            yield {"url": inst.url, "pd": inst.url, "e_ec": None, "procs": {"colocated": inst.proc.pid}}
         return
     # The launcher picks each connector's proxy flow (ECMooncake: push to the PD named in the E
     # request; others E then PD); nixl asks for the overlapped flow.
@@ -138,7 +138,8 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
         e = next(i for i in c.instances if i.role == "encoder")
         ec = e.ec_transfer_config or {}
         e_ec = f"{ec.get('ec_ip')}:{ec.get('ec_port')}" if CONNECTOR[name] == "NixlECConnector" else None
-        yield {"url": c.proxy_url, "pd": pd.url, "e_ec": e_ec}
+        procs = {i.name: i.proc.pid for i in c.instances + [c.proxy] if i is not None and i.proc is not None}
+        yield {"url": c.proxy_url, "pd": pd.url, "e_ec": e_ec, "procs": procs}
 
 
 def _cuda() -> bool:
@@ -206,6 +207,48 @@ def producer_stats(address: Optional[str]) -> dict[str, Any]:
         out["publish_ms"] = round(statistics.mean(pub) * 1e3, 3)
     out["pool_used"] = (st.get("pool") or {}).get("used")
     return out
+
+
+def cpu_seconds(procs: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each named process and all its descendants (vLLM's engine core and
+    workers are children of its API server); a process that is gone is left out."""
+    from ec_nixl.bench import optional
+
+    psutil, _ = optional.load("psutil")
+    if psutil is None:
+        return {}
+    out = {}
+    for role, pid in procs.items():
+        try:
+            root = psutil.Process(pid)
+            tree = [root] + root.children(recursive=True)
+        except psutil.Error:
+            continue
+        total = 0.0
+        for p in tree:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        out[role] = total
+    return out
+
+
+def cpu_table(phases: list[dict], deps: list[str]) -> str:
+    """CPU ms per completed request of each deployment's processes while the benchmark ran (median
+    over rounds): on a host with fewer cores than processes, CPU spent is TTFT lost."""
+    lines = ["\nCPU per completed request while the benchmark ran (ms, median of rounds; each role's "
+             "process tree; the benchmark client not counted):"]
+    for d in deps:
+        runs = [ph for ph in phases if ph["deployment"] == d and ph.get("cpu_s") and ph.get("requests")]
+        if not runs:
+            continue
+        roles = sorted({k for ph in runs for k in ph["cpu_s"]})
+        per = {k: statistics.median(ph["cpu_s"].get(k, 0.0) / ph["requests"] * 1e3 for ph in runs) for k in roles}
+        total = statistics.median(sum(ph["cpu_s"].values()) / ph["requests"] * 1e3 for ph in runs)
+        lines.append(f"  {d}: total {total:.1f} (" + ", ".join(f"{k} {v:.1f}" for k, v in per.items()) + ")")
+    return "\n".join(lines)
 
 
 def points(args) -> list[tuple[int, int]]:
@@ -346,9 +389,12 @@ def main(argv: Optional[list] = None) -> int:
             t0 = time.monotonic()
             try:
                 with deployment(d, model, args.port + 100 * i, args.out / tag, vllm_args) as urls:
+                    before = cpu_seconds(urls["procs"])
                     got = drive(args, model, urls["url"], tag, rnd, args.out)
+                    cpu = {k: round(v - before[k], 3) for k, v in cpu_seconds(urls["procs"]).items() if k in before}
                     phases.append({"round": rnd, "deployment": d, "pd": scrape(urls["pd"]),
-                                   "e": producer_stats(urls["e_ec"])})
+                                   "e": producer_stats(urls["e_ec"]), "cpu_s": cpu,
+                                   "requests": sum(r["completed"] or 0 for r in got)})
             except Exception as e:  # a deployment that cannot start is reported, the others still run
                 print(f"  {tag}: failed to run: {e}", flush=True)
                 got = [{"images": n, "concurrency": c, "completed": 0, "failed": args.prompts, "req_s": None,
@@ -367,6 +413,7 @@ def main(argv: Optional[list] = None) -> int:
     for ph in phases:
         if ph["pd"] or ph["e"]:
             print(f"  r{ph['round']} {ph['deployment']}: PD {ph['pd']} E {ph['e']}")
+    print(cpu_table(phases, deps))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"schema": SCHEMA, "args": {k: (str(v) if isinstance(v, Path) else v)
