@@ -208,35 +208,22 @@ class Pool:
     def _take_run(self, ns: list[int], sizes: list[int], tags: list[str]) -> Optional[list[Optional[Slot]]]:
         """Slots of ``ns`` blocks back to back from the first extent that holds them all (None
         where n is 0), or None when no extent does. Lock held."""
-        total = sum(ns)
-        for i, length in enumerate(self._lens):
-            if length >= total:
-                break
-        else:
+        at = self._cut(sum(ns))
+        if at is None:
             return None
-        at = self._starts[i]
-        if length == total:
-            del self._starts[i], self._lens[i]
-        else:
-            self._starts[i] += total
-            self._lens[i] -= total
         out: list[Optional[Slot]] = []
         for n, nbytes, tag in zip(ns, sizes, tags):
-            if not n:
-                out.append(None)
-                continue
-            slot = Slot(self._next_id, at, n, nbytes, self, tag)
-            self._next_id += 1
-            self._live[slot.id] = slot
-            out.append(slot)
+            out.append(self._new_slot(at, n, nbytes, tag) if n else None)
             at += n
-        self._used_blocks += total
-        if self._used_blocks > self._high_water:
-            self._high_water = self._used_blocks
-        self._allocs += len(ns) - ns.count(0)
         return out
 
     def _take(self, n: int, nbytes: int, tag: str) -> Optional[Slot]:
+        at = self._cut(n)
+        return None if at is None else self._new_slot(at, n, nbytes, tag)
+
+    def _cut(self, n: int) -> Optional[int]:
+        """The first block of ``n`` taken from the first free extent that holds them (first-fit),
+        or None. Lock held."""
         for i, length in enumerate(self._lens):
             if length >= n:
                 start = self._starts[i]
@@ -245,15 +232,18 @@ class Pool:
                 else:
                     self._starts[i] += n
                     self._lens[i] -= n
-                slot = Slot(self._next_id, start, n, nbytes, self, tag)
-                self._next_id += 1
-                self._live[slot.id] = slot
                 self._used_blocks += n
                 if self._used_blocks > self._high_water:
                     self._high_water = self._used_blocks
-                self._allocs += 1
-                return slot
+                return start
         return None
+
+    def _new_slot(self, block: int, n: int, nbytes: int, tag: str) -> Slot:
+        slot = Slot(self._next_id, block, n, nbytes, self, tag)
+        self._next_id += 1
+        self._live[slot.id] = slot
+        self._allocs += 1
+        return slot
 
     def slot_at(self, ptr: int) -> Optional[Slot]:
         """The live slot whose bytes start exactly at device/host address ``ptr``, if any."""

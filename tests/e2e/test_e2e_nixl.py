@@ -251,21 +251,10 @@ def test_matches_colocated_without_reencoding(nixl: Nixl, baseline: Baseline, ca
 
 
 def _tree_cpu_s(pid: int) -> float:
-    import psutil
+    """CPU seconds of ``pid`` and its descendants so far (``bench serve``'s reader)."""
+    from ec_nixl.bench.serve import cpu_seconds
 
-    total = 0.0
-    try:
-        procs = [psutil.Process(pid)]
-        procs += procs[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        return 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    return cpu_seconds({"p": pid}).get("p", 0.0)
 
 
 def test_idle_instances_do_not_spin(nixl: Nixl, baseline: Baseline) -> None:
