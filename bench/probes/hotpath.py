@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--floor", action="store_true",
                     help="also time the bare transfer through the endpoint's own agent and link (no tickets)")
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--callees", default="", help="with --profile: also print what functions matching this "
+                    "regular expression called (pstats print_callees)")
     ap.add_argument("--python-only", action="store_true",
                     help="after warm-up, NIXL's post and poll are instant fakes: time ec-nixl's own Python only")
     a = ap.parse_args()
@@ -181,8 +183,8 @@ def main() -> None:
     if prof is not None:
         st = pstats.Stats(prof).sort_stats("tottime")
         st.print_stats(a.top)
-        if os.environ.get("HOTPATH_CALLEES"):
-            st.print_callees(os.environ["HOTPATH_CALLEES"])
+        if a.callees:
+            st.print_callees(a.callees)
 
 
 if __name__ == "__main__":

@@ -50,11 +50,20 @@ def _arena(device: str, nbytes: int):
     return Arena(nbytes, torch.device(device))
 
 
+CHECKED = 4096  # the head of the step the initiator checks after its last READ
+
+
+def _pattern(device):
+    import torch
+
+    return (torch.arange(CHECKED, device=device) % 251).to(torch.uint8)
+
+
 def target(device: str, nbytes: int, conn) -> None:
     ar = _arena(device, nbytes)
     a = _agent("tgt", device != "cpu")
     a.register_memory([(ar.base, ar.size, ar.device_id, "")], ar.mem_type)
-    ar.bytes.copy_((__import__("torch").arange(ar.size, device=ar.bytes.device) % 251).to(ar.bytes.dtype))
+    ar.bytes[:CHECKED].copy_(_pattern(ar.bytes.device))
     conn.send((a.get_agent_metadata(), ar.base, ar.size))
     while not conn.poll(0.0005):
         a.get_new_notifs()  # UCX progress for the target side
@@ -114,8 +123,11 @@ def initiator(device: str, item: int, items: int, n: int, conn) -> list[str]:
         loc, rem = prepped[key]
         descs = []
 
+        def make():
+            return a.make_prepped_xfer("READ", loc, idx, rem, idx, skip_desc_merge=skip)
+
         def once():
-            h = a.make_prepped_xfer("READ", loc, idx, rem, idx, skip_desc_merge=skip)
+            h = make()
             run(h)
             descs.append(a.get_xfer_telemetry(h).descCount)
             a.release_xfer_handle(h)
@@ -123,15 +135,15 @@ def initiator(device: str, item: int, items: int, n: int, conn) -> list[str]:
         if remake:
             ts = _time(once, n)
         else:
-            h = a.make_prepped_xfer("READ", loc, idx, rem, idx)
+            h = make()
             ts = _time(lambda: run(h), n)
             descs.append(a.get_xfer_telemetry(h).descCount)
             a.release_xfer_handle(h)
-        make = _time(lambda: a.release_xfer_handle(a.make_prepped_xfer("READ", loc, idx, rem, idx)), 20)
+        made = _time(lambda: a.release_xfer_handle(make()), 20)
         m = statistics.median(ts)
         out.append(f"  {label:<27} descs {descs[-1]:>4}  p50 {m:8.1f} us  min {min(ts):8.1f}  "
-                   f"{step / m / 1e3:7.0f} GB/s  (make+release alone {statistics.median(make):.1f} us)")
-    ok = bool((ar.bytes[:4096].cpu() == (torch.arange(4096) % 251).to(torch.uint8)).all())
+                   f"{step / m / 1e3:7.0f} GB/s  (make+release alone {statistics.median(made):.1f} us)")
+    ok = bool((ar.bytes[:CHECKED].cpu() == _pattern("cpu")).all())
     if cuda:
         src, dst = ar.bytes[:step], ar.bytes[step:2 * step]
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -252,6 +252,8 @@ def test_matches_colocated_without_reencoding(nixl: Nixl, baseline: Baseline, ca
 
 def _tree_cpu_s(pid: int) -> float:
     """CPU seconds of ``pid`` and its descendants so far (``bench serve``'s reader)."""
+    import psutil  # noqa: F401  (required: without it the reader reports nothing and 0 CPU would pass)
+
     from ec_nixl.bench.serve import cpu_seconds
 
     return cpu_seconds({"p": pid}).get("p", 0.0)
