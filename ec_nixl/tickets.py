@@ -2,7 +2,8 @@
 
 A ticket is created PENDING by ``Loader.load`` and ends LANDED (its bytes are in our pool) or
 FAILED (``error``/``reason`` say why); ``phase`` says where a pending one is, which decides how a
-failure frees its slot. Tickets are plain state owned by the loader's owner thread; the only
+failure frees its slot. (A pending ticket with a ``reason`` is one whose description was found bad
+after its step's READ was posted: it fails when that READ is final, ``ReadLane.post_step``.) Tickets are plain state owned by the loader's owner thread; the only
 things a caller does with one are read it, take the landed tensor, and ``release`` the slot.
 A ticket keeps a reference to its pool (to give the slot back), never to the endpoint.
 """
@@ -10,9 +11,9 @@ A ticket keeps a reference to its pool (to give the slot back), never to the end
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+import msgspec
 import torch
 
 from ec_nixl import protocol as P
@@ -24,12 +25,15 @@ if TYPE_CHECKING:
     from ec_nixl.transport import Xfer
 
 
-@dataclass(frozen=True)
-class ItemRef:
+class ItemRef(msgspec.Struct, frozen=True):
     """What a consumer needs to fetch one item: its description and where it lives.
 
     ``block``/``valid_until`` come from a producer's Hold reply: while the hold is valid the item
     cannot move, so a READ can be posted at once without asking for a grant.
+
+    (A frozen msgspec Struct, not a frozen dataclass: a PD worker builds one per item on every
+    step, ~2 us each as a dataclass, ~0.1 us as a Struct. A changed copy:
+    ``msgspec.structs.replace(ref, producer=...)``.)
     """
 
     desc: P.ItemDesc

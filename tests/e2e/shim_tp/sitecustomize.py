@@ -23,8 +23,9 @@ _TARGET = "ec_nixl.vllm.worker"
 
 
 def _patch(worker_side: type) -> None:
-    import dataclasses
     import logging
+
+    import msgspec
 
     reader, flag = int(os.environ["EC_NIXL_E2E_FAIL_READER"]), os.environ["EC_NIXL_E2E_FAIL_FLAG"]
     log = logging.getLogger("ec_nixl.vllm")
@@ -38,7 +39,7 @@ def _patch(worker_side: type) -> None:
             dead = f.read().strip()
         log.warning("ec-nixl e2e fault: reader %d asks for %s at %s (nobody listens there)", reader,
                     [r.desc.mm_hash for r in out], dead)
-        return [dataclasses.replace(r, producer=dead) for r in out]
+        return [msgspec.structs.replace(r, producer=dead) for r in out]
 
     worker_side._refs = _refs
 
