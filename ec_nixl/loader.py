@@ -81,10 +81,19 @@ class Loader:
     def load(self, refs: Iterable[ItemRef], timeout: Optional[float] = None) -> list[LoadTicket]:
         """Start loading ``refs``; returns one ticket each at once (see ``LoadBarrier``).
 
-        On the owner thread, items whose place a Hold gave travel the direct path (``ReadLane.post_held``):
-        slot, READ posted, nothing else first. Everything else is dispatched by ``_start``.
+        On the owner thread, items whose place a Hold gave travel the direct path: a whole step from
+        one producer is posted before any ticket exists (``ReadLane.post_step``); otherwise such
+        items get their slots and READ first (``ReadLane.post_held``). Everything else is
+        dispatched by ``_start``.
         """
         deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.load_timeout_s)
+        refs = list(refs)
+        if refs and self.loop.is_owner:
+            tickets = self.reads.post_step(refs, deadline)  # a step of held items: posted first
+            if tickets is not None:
+                if self.reads.unsettled:
+                    self.reads.settle()  # earlier requests' read-done and telemetry, while this DMA runs
+                return tickets
         pool = self.pool
         tickets = [LoadTicket(r, deadline, pool) for r in refs]
         producers: set[str] = set()  # addresses checked in this call

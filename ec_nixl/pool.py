@@ -205,6 +205,24 @@ class Pool:
                 return run
             return [self._take(n, nbytes, tag) if n else None for n, nbytes, tag in zip(ns, sizes, tags)]
 
+    def try_reserve_run(self, nblocks: int) -> Optional[int]:
+        """``nblocks`` back to back from the first free extent that holds them, with no slots cut
+        yet: the first block, or None (reclaims nothing; the caller's general path does). For a
+        step whose READ is posted before any per-item bookkeeping (``ReadLane.post_step``): the
+        run is made into slots by ``slots_in_run`` while the DMA runs, and must be."""
+        with self._lock:
+            return self._cut(nblocks)
+
+    def slots_in_run(self, at: int, ns: list[int], sizes: list[int], tags: list[str]) -> list[Slot]:
+        """The slots of a run ``try_reserve_run`` gave from block ``at``: ``ns[i]`` blocks each,
+        back to back, covering the run exactly; each is freed on its own."""
+        out = []
+        with self._lock:
+            for n, nbytes, tag in zip(ns, sizes, tags):
+                out.append(self._new_slot(at, n, nbytes, tag))
+                at += n
+        return out
+
     def _take_run(self, ns: list[int], sizes: list[int], tags: list[str]) -> Optional[list[Optional[Slot]]]:
         """Slots of ``ns`` blocks back to back from the first extent that holds them all (None
         where n is 0), or None when no extent does. Lock held."""

@@ -13,15 +13,16 @@ import time
 from typing import Optional
 
 from ec_nixl import protocol as P
-from ec_nixl.errors import TransferFailed
+from ec_nixl.errors import ECNixlError, TransferFailed
 from ec_nixl.link_work import LinkWork
 from ec_nixl.links import Link, Links
 from ec_nixl.load_failures import Failures, timeout_error
 from ec_nixl.loop import OwnerLoop
 from ec_nixl.metrics import Metrics
+from ec_nixl.protocol import MAX_ITEM_BYTES, validate_item
 from ec_nixl.pool import Pool
 from ec_nixl.states import LinkState, Phase, TicketState
-from ec_nixl.tickets import LoadTicket
+from ec_nixl.tickets import ItemRef, LoadTicket
 from ec_nixl.transport import Transport, Xfer
 
 _PENDING, _READ = TicketState.PENDING, Phase.READ
@@ -94,6 +95,72 @@ class ReadLane:
                 self.links.wake(link)  # bookkeeping (the silence clock), after the DMA started
         return rest
 
+    def post_step(self, refs: list[ItemRef], deadline: float) -> Optional[list[LoadTicket]]:
+        """The direct path of a whole step from ONE producer whose items a valid Hold placed, on
+        a ready READ link to the incarnation that held them (a PD worker's usual step): check the
+        places and sizes, cut one run of our pool, post the READ, and only then make the slots and
+        tickets and check the rest of each description, while the DMA runs. Nothing per item but
+        those checks stands before the post (on the H200, 32 items spent 139 of 233 us of Python
+        before it on the per-item path). None, with nothing done, for any other step:
+        ``Loader.load``'s general path takes it (and names what is wrong)."""
+        producer = refs[0].producer
+        link = self.links.find(producer)
+        if link is None or link.state is not LinkState.READY or link.mode != "read" or self.links.unread(link):
+            return None
+        wall, incarnation, bs = time.time(), link.incarnation, self.pool.block_size
+        ns = []
+        for r in refs:
+            nbytes = r.desc.nbytes
+            if r.producer != producer or r.block < 0 or wall >= r.valid_until \
+                    or (r.incarnation and r.incarnation != incarnation) \
+                    or type(nbytes) is not int or not 0 < nbytes <= MAX_ITEM_BYTES:
+                return None
+            ns.append(-(-nbytes // bs))
+        pool = self.pool
+        at = pool.try_reserve_run(sum(ns))
+        if at is None:
+            return None
+        ranges, b = [], at
+        for r, n in zip(refs, ns):
+            ranges.append((b, r.block, n))
+            b += n
+        t_post = time.perf_counter()
+        error: Optional[TransferFailed] = None
+        try:
+            x = self.transport.post_many("READ", link.peer, ranges)
+        except TransferFailed as e:
+            x, error = None, e
+        except BaseException:
+            for slot in pool.slots_in_run(at, ns, [r.desc.nbytes for r in refs], ["" for _ in refs]):
+                pool.release(slot)
+            raise
+        # The DMA runs: now the per-item bookkeeping.
+        slots = pool.slots_in_run(at, ns, [r.desc.nbytes for r in refs], [r.desc.mm_hash for r in refs])
+        tickets = []
+        for r, slot in zip(refs, slots):
+            t = LoadTicket(r, deadline, pool)
+            t.slot, t.mode = slot, "read"
+            tickets.append(t)
+        if error is not None:
+            for t in tickets:
+                self.fail(t, str(error), error.reason)
+            return tickets
+        for t in tickets:
+            t.xfer, t.t_post = x, t_post
+            t.enter(_READ)
+        self.in_flight[x] = tickets
+        # The rest of each description is checked while its bytes move (the READ needed only
+        # the size, and lands in our own slot). A bad one is marked, and failed once its request
+        # is final (``complete``): failing it now would cancel the request, and with it the
+        # step's good items; its slot is the DMA's until then. Nothing of it is handed over.
+        for t in tickets:
+            try:
+                validate_item(t.ref.desc)
+            except ECNixlError as e:
+                t.error, t.reason = str(e), "BAD_REQUEST"
+        self.links.wake(link)  # bookkeeping (the silence clock), after the DMA started
+        return tickets
+
     def post_queued(self, link: Link, work: LinkWork) -> None:
         """Post the round's queued READs of ``link`` (granted, or held but queued behind a handshake)."""
         batch = [(t, b) for t, b in work.read_queue if t.pending]
@@ -141,7 +208,7 @@ class ReadLane:
                 return False
             if now < next_round and _all_reading(pending):
                 xfers = list({t.xfer: None for t in pending})
-                views = [t for t in pending if not t.has_view]
+                views = [t for t in pending if not t.has_view and not t.reason]
                 finished = self.transport.finished
                 while True:  # NIXL status checks until one is final or a round is due
                     done = finished(xfers)
@@ -183,14 +250,19 @@ class ReadLane:
             tickets = self.in_flight.pop(x, ())
             if x.state != "DONE":
                 for t in tickets:
-                    self.fail(t, f"READ from {t.ref.producer} failed (NIXL ERR)", "XFER_ERR")
+                    if t.reason:  # a description found bad after the post (``post_step``)
+                        self.fail(t, t.error, t.reason)
+                    else:
+                        self.fail(t, f"READ from {t.ref.producer} failed (NIXL ERR)", "XFER_ERR")
                 continue
             landed = []
             for t in tickets:
-                if not t.pending:
+                if t.state is not _PENDING:
                     continue
                 t.xfer = None
-                if now > t.deadline:
+                if t.reason:  # a description found bad after the post: the DMA is over, the slot free
+                    self.fail(t, t.error, t.reason, settled=True)
+                elif now > t.deadline:
                     # Seen done only after its deadline (this process was stopped or starved):
                     # the producer may have reclaimed the slot and reused it before the READ ran.
                     self.fail(t, f"{timeout_error(t)}: its READ was seen done only after the deadline, "

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from ec_nixl.barrier import LoadBarrier
+from ec_nixl import protocol as P
 from ec_nixl.errors import LoadFailed
+from ec_nixl.states import Phase
 from ec_nixl.tensors import Ready
 from ec_nixl.tickets import ItemRef
 from helpers import MODES, TCP_ONLY, check, fetch, overlap, phase, refs_for, state
@@ -232,6 +234,33 @@ def test_hold_reports_place_and_enables_direct_read(make_producer, make_consumer
     tickets = cons.load([ref])
     out = LoadBarrier(cons).wait(tickets)
     check(out, specs, device)
+
+
+def test_a_held_step_with_one_bad_description_fails_that_item_alone(make_producer, make_consumer, device):
+    """A held step from one producer is posted before its descriptions are checked past their
+    sizes (``ReadLane.post_step``). One that is wrong there (an unknown dtype) must fail alone,
+    naming the problem, once the step's READ is final; the step's other items land byte-exact
+    (failing it at once would cancel the shared request), and every slot comes back."""
+    prod = make_producer()
+    cons = make_consumer(mode="read")
+    specs = [(f"step-{i}", (64, 256), "bfloat16", 40 + i) for i in range(4)]
+    descs = prod.call("publish", specs)
+    states = cons.hold(prod.address, [d.mm_hash for d in descs], timeout=5)
+    bad = P.ItemDesc(mm_hash=descs[1].mm_hash, shape=descs[1].shape, dtype="bfloat17", nbytes=descs[1].nbytes)
+    refs = [ItemRef(desc=bad if i == 1 else d, producer=prod.address, block=states[d.mm_hash].block,
+                    valid_until=time.time() + states[d.mm_hash].lease_s - 1) for i, d in enumerate(descs)]
+    tickets = cons.load(refs)
+    good = [t for t in tickets if t is not tickets[1]]
+    assert [t.phase for t in good] == [Phase.READ] * 3, "the step did not take the direct path"
+    with pytest.raises(LoadFailed) as e:
+        LoadBarrier(cons).wait(tickets)
+    assert e.value.failures.keys() == {bad.mm_hash}, e.value.failures
+    assert "unsupported dtype 'bfloat17'" in e.value.failures[bad.mm_hash]
+    assert tickets[1].reason == "BAD_REQUEST"
+    check({t.mm_hash: t.tensor() for t in good}, [s for s in specs if s[0] != bad.mm_hash], device)
+    for t in good:
+        t.release()
+    assert cons.pool.stats().used == 0
 
 
 def test_unpublished_held_item_keeps_its_bytes_for_the_holder(make_producer, make_consumer, device):
