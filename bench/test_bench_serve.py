@@ -63,5 +63,13 @@ def test_bench_serve_runs_every_deployment(tmp_path):
         cpu = next(p["cpu_s"] for p in res["phases"] if p["deployment"] == d)
         assert {"encoder0", "pd0", "proxy"} <= set(cpu) and all(v > 0 for v in cpu.values()), (d, cpu)
     assert "CPU per completed request" in r.stdout and "  nixl: total " in r.stdout, r.stdout[-3000:]
+    # ... and by thread: the trees' threads account for their CPU (threads that ended are in the
+    # process totals only), and the PD's engine shows among them.
+    for d in deps:
+        ph = next(p for p in res["phases"] if p["deployment"] == d)
+        threads, total = ph["threads_s"], sum(ph["cpu_s"].values())
+        assert 0.5 * total <= sum(threads.values()) <= 1.05 * total + 0.05, (d, total, threads)
+        assert any(k.startswith("pd0:") for k in threads), (d, threads)
+    assert "busiest threads: " in r.stdout, r.stdout[-3000:]
     if (out / "r.png").exists():  # matplotlib is in the test requirements; the plot is optional otherwise
         assert (out / "r.png").stat().st_size > 1000

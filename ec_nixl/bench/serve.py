@@ -21,7 +21,8 @@ deployments:
 Reported per (images, concurrency): each deployment's TTFT p50/p99, req/s and failures (medians
 over rounds), and each one's ratios to the reference deployment (``--reference``, default
 ``example``) computed per round, then the median with its spread. ``--json`` keeps every row,
-``--plot`` draws TTFT p50 against concurrency. Runs on CPU with a tiny model (``--model`` omitted:
+``--plot`` draws TTFT p50 against concurrency. Each deployment's CPU per completed request is
+printed by instance and by its busiest threads. Runs on CPU with a tiny model (``--model`` omitted:
 the e2e tests' tiny Qwen2-VL is built under ``--out``) or on a GPU host with a real model.
 """
 
@@ -235,7 +236,42 @@ def cpu_seconds(procs: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def cpu_table(phases: list[dict], deps: list[str]) -> str:
+def thread_seconds(procs: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of every thread in each named process tree, summed by
+    ``role:process:thread`` name (Linux ``/proc``; {} elsewhere or without psutil): which thread
+    of which instance a deployment's CPU per request goes to (vLLM's engine and worker, the
+    connector's I/O threads, ZMQ's)."""
+    from ec_nixl.bench import optional
+
+    psutil, _ = optional.load("psutil")
+    if psutil is None or not Path("/proc/self/task").is_dir():
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for role, pid in procs.items():
+        try:
+            root = psutil.Process(pid)
+            tree = [root] + root.children(recursive=True)
+        except psutil.Error:
+            continue
+        for p in tree:
+            try:
+                name = p.name()
+                tasks = list(Path(f"/proc/{p.pid}/task").iterdir())
+            except (psutil.Error, OSError):
+                continue
+            for task in tasks:
+                try:
+                    stat = (task / "stat").read_text()
+                except OSError:
+                    continue  # the thread ended
+                comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+                key = f"{role}:{name}:{comm}"
+                out[key] = out.get(key, 0.0) + (int(rest[11]) + int(rest[12])) / tick  # utime + stime
+    return out
+
+
+def cpu_table(phases: list[dict], deps: list[str], top: int = 8) -> str:
     """CPU ms per completed request of each deployment's processes while the benchmark ran (median
     over rounds): on a host with fewer cores than processes, CPU spent is TTFT lost."""
     lines = ["\nCPU per completed request while the benchmark ran (ms, median of rounds; each role's "
@@ -248,6 +284,13 @@ def cpu_table(phases: list[dict], deps: list[str]) -> str:
         per = {k: statistics.median(ph["cpu_s"].get(k, 0.0) / ph["requests"] * 1e3 for ph in runs) for k in roles}
         total = statistics.median(sum(ph["cpu_s"].values()) / ph["requests"] * 1e3 for ph in runs)
         lines.append(f"  {d}: total {total:.1f} (" + ", ".join(f"{k} {v:.1f}" for k, v in per.items()) + ")")
+        threads = [ph for ph in runs if ph.get("threads_s")]
+        if threads:
+            names = {k for ph in threads for k in ph["threads_s"]}
+            per = {k: statistics.median(ph["threads_s"].get(k, 0.0) / ph["requests"] * 1e3 for ph in threads)
+                   for k in names}
+            lines.append("    busiest threads: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:top]))
     return "\n".join(lines)
 
 
@@ -389,11 +432,14 @@ def main(argv: Optional[list] = None) -> int:
             t0 = time.monotonic()
             try:
                 with deployment(d, model, args.port + 100 * i, args.out / tag, vllm_args) as urls:
-                    before = cpu_seconds(urls["procs"])
+                    before, threads_before = cpu_seconds(urls["procs"]), thread_seconds(urls["procs"])
                     got = drive(args, model, urls["url"], tag, rnd, args.out)
                     cpu = {k: round(v - before[k], 3) for k, v in cpu_seconds(urls["procs"]).items() if k in before}
+                    threads = {k: round(v - threads_before.get(k, 0.0), 3)
+                               for k, v in thread_seconds(urls["procs"]).items()}
                     phases.append({"round": rnd, "deployment": d, "pd": scrape(urls["pd"]),
                                    "e": producer_stats(urls["e_ec"]), "cpu_s": cpu,
+                                   "threads_s": {k: v for k, v in threads.items() if v > 0},
                                    "requests": sum(r["completed"] or 0 for r in got)})
             except Exception as e:  # a deployment that cannot start is reported, the others still run
                 print(f"  {tag}: failed to run: {e}", flush=True)
