@@ -210,21 +210,26 @@ def producer_stats(address: Optional[str]) -> dict[str, Any]:
     return out
 
 
-def cpu_seconds(procs: dict[str, int]) -> dict[str, float]:
-    """CPU seconds so far of each named process and all its descendants (vLLM's engine core and
-    workers are children of its API server); a process that is gone is left out."""
+def _trees(procs: dict[str, int]) -> Iterator[tuple[str, list, Any]]:
+    """(role, the process and all its descendants, psutil) for each named process still there
+    (vLLM's engine core and workers are children of its API server); nothing without psutil."""
     from ec_nixl.bench import optional
 
     psutil, _ = optional.load("psutil")
     if psutil is None:
-        return {}
-    out = {}
+        return
     for role, pid in procs.items():
         try:
             root = psutil.Process(pid)
-            tree = [root] + root.children(recursive=True)
+            yield role, [root] + root.children(recursive=True), psutil
         except psutil.Error:
             continue
+
+
+def cpu_seconds(procs: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each named process tree; a process that is gone is left out."""
+    out = {}
+    for role, tree, psutil in _trees(procs):
         total = 0.0
         for p in tree:
             try:
@@ -241,19 +246,11 @@ def thread_seconds(procs: dict[str, int]) -> dict[str, float]:
     ``role:process:thread`` name (Linux ``/proc``; {} elsewhere or without psutil): which thread
     of which instance a deployment's CPU per request goes to (vLLM's engine and worker, the
     connector's I/O threads, ZMQ's)."""
-    from ec_nixl.bench import optional
-
-    psutil, _ = optional.load("psutil")
-    if psutil is None or not Path("/proc/self/task").is_dir():
+    if not Path("/proc/self/task").is_dir():
         return {}
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
-    for role, pid in procs.items():
-        try:
-            root = psutil.Process(pid)
-            tree = [root] + root.children(recursive=True)
-        except psutil.Error:
-            continue
+    for role, tree, psutil in _trees(procs):
         for p in tree:
             try:
                 name = p.name()
