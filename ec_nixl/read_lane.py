@@ -145,10 +145,7 @@ class ReadLane:
             for t in tickets:
                 self.fail(t, str(error), error.reason)
             return tickets
-        for t in tickets:
-            t.xfer, t.t_post = x, t_post
-            t.enter(_READ)
-        self.in_flight[x] = tickets
+        self._track(x, tickets, t_post)
         # The rest of each description is checked while its bytes move (the READ needed only
         # the size, and lands in our own slot). A bad one is marked, and failed once its request
         # is final (``complete``): failing it now would cancel the request, and with it the
@@ -182,10 +179,15 @@ class ReadLane:
             for t in tickets:
                 self.fail(t, str(e), e.reason)
             return
-        self.in_flight[x] = tickets
+        self._track(x, tickets, t_post)
+
+    def _track(self, x: Xfer, tickets: list[LoadTicket], t_post: float) -> None:
+        """``tickets``' READ ``x`` is posted: in flight until NIXL reports it final (``complete``
+        lands them then, never before). Both posting paths end here."""
         for t in tickets:
             t.xfer, t.t_post = x, t_post
             t.enter(_READ)
+        self.in_flight[x] = tickets
 
     # --- the waiter drives its own transfers -------------------------------------------
 

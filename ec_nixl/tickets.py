@@ -2,9 +2,10 @@
 
 A ticket is created PENDING by ``Loader.load`` and ends LANDED (its bytes are in our pool) or
 FAILED (``error``/``reason`` say why); ``phase`` says where a pending one is, which decides how a
-failure frees its slot. (A pending ticket with a ``reason`` is one whose description was found bad
-after its step's READ was posted: it fails when that READ is final, ``ReadLane.post_step``.) Tickets are plain state owned by the loader's owner thread; the only
-things a caller does with one are read it, take the landed tensor, and ``release`` the slot.
+failure frees its slot. (A pending ticket with a ``reason`` is one whose description was found
+bad after its step's READ was posted: it fails when that READ is final, ``ReadLane.post_step``.)
+Tickets are plain state owned by the loader's owner thread; the only things a caller does with
+one are read it, take the landed tensor, and ``release`` the slot.
 A ticket keeps a reference to its pool (to give the slot back), never to the endpoint.
 """
 

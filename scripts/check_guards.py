@@ -85,15 +85,15 @@ BREAKAGES: tuple[Breakage, ...] = (
             t.xfer, t.t_post = x, t_post
             t.enter(_READ)
         self.in_flight[x] = tickets
-        # The rest""",
+""",
         new="""        for t in tickets:
             t.xfer, t.t_post = x, t_post
             t.enter(_READ)
-            t.land()  # BROKEN: landed at post time (a held step's direct path)
+            t.land()  # BROKEN: landed at post time (both posting paths)
             self.metrics.count("loads_landed")
             self.loop.changed()
         self.in_flight[x] = tickets
-        # The rest""",
+""",
         tests=("tests/test_transfer.py", "tests/test_faults_peer_death.py", "tests/test_soak.py"),
         expect=("test_barrier_waits_for_a_read_still_in_flight",
                 "test_producer_killed_mid_transfer_hands_over_only_whole_items"),
