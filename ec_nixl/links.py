@@ -89,6 +89,7 @@ class Link:
         self.idle = True  # no work pending at the last tick
         self.queries: dict[int, "HoldRequest | StatsRequest"] = {}  # req -> query awaiting its answer
         self.unsent: list["HoldRequest | StatsRequest"] = []  # queries waiting for the handshake
+        self.resend = False  # lost under requests the producer cannot have acted on: send them again
 
     def move(self, state: LinkState) -> None:
         self.state = advance(self.state, state, LINK_NEXT)
@@ -143,6 +144,8 @@ class Links:
         self._by_session: dict[str, Link] = {}
         self._failures: dict[str, int] = {}  # address -> slow failed attempts in a row (back-off)
         self._reqs = itertools.count(1)
+        self._last_tick = time.monotonic()
+        self._back_at = float("-inf")  # when our timers ran again after a gap a producer would drop us for
         loop.every_tick(self.tick)
         loop.idle_hint(self._idle_hint)
 
@@ -303,11 +306,23 @@ class Links:
         # port a restarting producer needs).
         self._close_sockets(link)
 
-    def lose(self, link: Link, error: str) -> None:
+    def lose(self, link: Link, error: str, resend: bool = False) -> None:
         """The producer went away: fail what waits on it (the listener quarantines what a DMA
-        may touch), then drop the link."""
+        may touch), then drop the link. ``resend``: the producer dropped our session, not the
+        other way round (it says it no longer knows it, or the connection broke just after we were
+        away long enough to be dropped): requests it never answered were never acted on, so the
+        listener may send them again, once, on a new connection instead of failing them."""
         logger.warning("ec-nixl: %s", error)
+        link.resend = resend
         self._end(link, error)
+
+    def _were_away(self) -> bool:
+        """Did this endpoint just come back from a pause long enough for producers to drop its
+        connections (a stopped process, a long GC or GIL stall)? A request it sent in the first
+        round after the pause went out on a connection the producer had already closed."""
+        now = time.monotonic()
+        away = self.cfg.link_timeout_s / 2
+        return now - self._last_tick > away or now - self._back_at < self.cfg.link_timeout_s
 
     def replace(self, link: Link, why: str) -> Link:
         """Drop a ready link and connect to its address afresh: the caller was told of another
@@ -357,7 +372,7 @@ class Links:
                 return
             event = ev.get("event")
             if event == zmq.EVENT_DISCONNECTED and link.state is LinkState.READY:
-                self.lose(link, f"producer {link.address} disconnected")
+                self.lose(link, f"producer {link.address} disconnected", resend=self._were_away())
             elif event == zmq.EVENT_DISCONNECTED and link.connected:
                 link.connected, link.t_unconnected = False, time.monotonic()
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and link.state is LinkState.CONNECTING:
@@ -408,7 +423,8 @@ class Links:
         if isinstance(msg, P.Refused) and msg.reason == P.Nack.UNKNOWN_SESSION.value:
             # Our session is gone there (the producer restarted, or dropped our connection as
             # silent): nothing more can be done on this link; the next request reconnects.
-            return self.lose(link, f"producer {link.address} no longer knows our session: {msg.detail}")
+            return self.lose(link, f"producer {link.address} no longer knows our session: {msg.detail}",
+                             resend=True)
         q = link.queries.pop(msg.req, None) if isinstance(msg, (P.Refused, P.Grant, P.StatsReply)) else None
         if q is not None:
             if isinstance(msg, P.Refused):
@@ -472,6 +488,9 @@ class Links:
 
     def tick(self, now: float) -> None:
         """Handshake resends and timeouts, query timeouts, heartbeats, silence."""
+        if now - self._last_tick > self.cfg.link_timeout_s / 2:
+            self._back_at = now
+        self._last_tick = now
         for link in list(self._links.values()):
             if link.state is LinkState.CONNECTING:
                 if not link.connected and now - link.t_unconnected > self.cfg.link_timeout_s:

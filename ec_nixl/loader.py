@@ -8,7 +8,10 @@ NIXL request. ``LoadTicket``s report the outcome; ``LoadBarrier`` waits on them.
 An ``ItemRef`` that names the producer incarnation whose Hold it came from is loaded from that
 incarnation only: a link to another one is replaced (it may lead to a process that is gone), and
 if the address then answers as another incarnation the item fails ``RESTARTED`` (retryable), so
-the caller can get it elsewhere; nothing is ever asked of a process that did not hold it.
+the caller can get it elsewhere; nothing is ever asked of a process that did not hold it. A Get
+that was never answered when its producer dropped our session (it says so, or the connection
+broke right after this endpoint was paused long enough to be dropped) is asked again, once, on a
+new connection: the producer cannot have acted on it, and failing it would cost a local encode.
 
 Every failure goes through ``fail`` (``load_failures``), which alone decides what happens to the
 slot: released when no DMA can touch it, quarantined (or kept with its transfer until NIXL lets go
@@ -58,6 +61,7 @@ class Loader:
         self.cfg, self.pool, self.transport, self.metrics, self.loop, self.links = \
             cfg, pool, transport, metrics, loop, links
         self._work: dict[Link, LinkWork] = {}  # per link, shared with the parts below
+        self._resend: dict[Link, list[LoadTicket]] = {}  # a lost link's unanswered Gets, until it is dropped
         self.failures = Failures(cfg, pool, transport, metrics, loop, links, self._work)
         self.reads = ReadLane(pool, transport, metrics, loop, links, self.failures)
         self.writes = WriteLane(pool, metrics, loop, links, self.failures, self._work)
@@ -247,6 +251,8 @@ class Loader:
         work = self._work.get(link)
         if work is None:
             return
+        if link.resend:
+            self._resend[link] = self._unanswered(work)
         for t in work.tickets():
             self.fail(t, error, reason)
         work.waiting, work.get_queue, work.push_queue, work.read_queue = [], [], [], []
@@ -258,6 +264,30 @@ class Loader:
 
     def on_dropped(self, link: Link) -> None:
         self._work.pop(link, None)
+        again = self._resend.pop(link, None)
+        if again:
+            # The address is free again: these connect afresh (a new session; a restarted
+            # producer is told apart by its incarnation in ``_dispatch``).
+            logger.info("ec-nixl: asking %s again for %d item(s) on a new connection", link.address, len(again))
+            self.metrics.count("resent", len(again))
+            self._start(again)
+
+    @staticmethod
+    def _unanswered(work: LinkWork) -> list[LoadTicket]:
+        """Take out the tickets of a lost link whose Get was not answered yet (queued, or sent
+        with no Grant back) and that were not sent again before: they hold a slot no DMA can
+        touch, so they may go out once more instead of failing."""
+        again = [t for t in work.get_queue if t.pending and not t.resent]
+        for batch in work.by_req.values():
+            again.extend(t for t in batch if t.pending and not t.resent)
+        if again:
+            gone = set(map(id, again))
+            work.get_queue = [t for t in work.get_queue if id(t) not in gone]
+            for req, batch in list(work.by_req.items()):
+                work.by_req[req] = [t for t in batch if id(t) not in gone]
+        for t in again:
+            t.resent = True
+        return again
 
     def on_reply(self, link: Link, msg) -> None:
         work = self._work_on(link)

@@ -79,7 +79,8 @@ PHASE_NEXT = {
     Phase.QUEUED: _DISPATCHED | {Phase.CONNECTING, Phase.READ},  # READ: a held item, posted at once
     Phase.CONNECTING: _DISPATCHED,
     Phase.POOL: _DISPATCHED,
-    Phase.GRANT: frozenset({Phase.GRANT, Phase.READ_QUEUED, Phase.PUSH, Phase.DONE}),
+    # CONNECTING: a Get the producer never answered, sent again on a new connection (``Loader.on_down``)
+    Phase.GRANT: frozenset({Phase.GRANT, Phase.CONNECTING, Phase.READ_QUEUED, Phase.PUSH, Phase.DONE}),
     Phase.READ_QUEUED: frozenset({Phase.READ, Phase.DONE}),
     Phase.READ: frozenset({Phase.DONE}),
     Phase.PUSH: frozenset({Phase.DONE}),

@@ -57,7 +57,8 @@ class LoadTicket:
     """One item being loaded; LANDED once its bytes are in this endpoint's pool."""
 
     __slots__ = ("ref", "slot", "state", "phase", "error", "reason", "retryable", "deadline",
-                 "t_start", "t_post", "t_done", "xfer", "retry_at", "mode", "_pool", "released", "event", "_view")
+                 "t_start", "t_post", "t_done", "xfer", "retry_at", "mode", "_pool", "released", "event", "_view",
+                 "resent")
 
     def __init__(self, ref: ItemRef, deadline: float, pool: "Pool"):
         self.ref = ref
@@ -78,6 +79,7 @@ class LoadTicket:
         self.released = False
         self.event = None  # a CUDA event, when the bytes became visible through stream work
         self._view: Optional[torch.Tensor] = None
+        self.resent = False  # its Get went out again on a new connection (once at most)
 
     @property
     def mm_hash(self) -> str:

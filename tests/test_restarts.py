@@ -265,6 +265,54 @@ def test_consumer_whose_session_was_reclaimed_reconnects(procs, make_consumer, d
     assert got[0][1] == "landed" and got[0][3] == digest(make_item(9, (32, 32), "float32")), got
 
 
+def test_a_get_the_producer_dropped_unanswered_goes_out_once_more_on_a_new_connection(procs, make_consumer,
+                                                                                       device):
+    """The producer says it no longer knows our session while our Get is unanswered (what a
+    consumer paused past ``link_timeout_s`` meets: its first request after the pause goes out on a
+    connection the producer already closed). The Refused is **injected** (a fault; the producer
+    itself still serves): the Get goes out again on a new connection and the items land; a ticket
+    is sent again once only, then fails naming the producer, and no slot leaks."""
+    from ec_nixl import protocol as P
+    from ec_nixl.states import LinkState
+    from helpers import check, fetch, refs_for
+
+    prod = procs(device=device)
+    cons = make_consumer(mode="read", pool_bytes=SMALL)
+    specs = [("a", (64, 64), "float32", 3), ("b", (32, 16), "float32", 4)]
+    warm = [("warm", (8, 8), "float32", 1)]
+    fetch(cons, refs_for(prod, prod.call("publish", warm)), warm, device)  # a ready link: Gets go out in load()
+    refs = refs_for(prod, prod.call("publish", specs))
+
+    def drop_session_under_the_get():
+        """Our unthreaded consumer sent the Get and has not run since: its Grant is still unread."""
+        link = cons.links.find(prod.address)
+        reqs = list(cons.loader._work[link].by_req)
+        assert link.state is LinkState.READY and len(reqs) == 1, (link, reqs)
+        cons.links._on_message(link, P.Refused(reason=P.Nack.UNKNOWN_SESSION.value, detail="injected",
+                                               req=reqs[0]))
+        assert link.state is LinkState.LOST and cons.links.find(prod.address) is not link
+
+    tickets = cons.load(refs)
+    drop_session_under_the_get()
+    check(LoadBarrier(cons).wait(tickets), specs, device)
+    assert cons.metrics.counters["resent"] == 2
+    for t in tickets:
+        t.release()
+
+    # Dropped again after the new connection's Get went out: sent again once already, so they fail.
+    tickets = cons.load(refs)
+    assert not any(t.resent for t in tickets), "each load may be sent again once"
+    drop_session_under_the_get()
+    link = cons.links.find(prod.address)
+    assert cons.wait_for(lambda: link.state is LinkState.READY and bool(cons.loader._work[link].by_req), 10)
+    drop_session_under_the_get()
+    assert all(t.reason == "PEER_LOST" and prod.address in t.error for t in tickets), tickets
+    assert cons.metrics.counters["resent"] == 4
+    assert cons.wait_for(lambda: cons.pool.stats().used == 0, 5), cons.pool.stats()
+    later = [("later", (8, 8), "float32", 5)]
+    fetch(cons, refs_for(prod, prod.call("publish", later)), later, device)  # and the producer still serves us
+
+
 # --------------------------------------------------------------------------------------------
 # the proxy: an encoder that is down costs latency, not errors
 
