@@ -90,6 +90,7 @@ class Link:
         self.queries: dict[int, "HoldRequest | StatsRequest"] = {}  # req -> query awaiting its answer
         self.unsent: list["HoldRequest | StatsRequest"] = []  # queries waiting for the handshake
         self.resend = False  # lost under requests the producer cannot have acted on: send them again
+        self.drops_after_s = 0.0  # the producer drops a connection silent this long (its link_timeout_s)
 
     def move(self, state: LinkState) -> None:
         self.state = advance(self.state, state, LINK_NEXT)
@@ -145,7 +146,7 @@ class Links:
         self._failures: dict[str, int] = {}  # address -> slow failed attempts in a row (back-off)
         self._reqs = itertools.count(1)
         self._last_tick = time.monotonic()
-        self._back_at = float("-inf")  # when our timers ran again after a gap a producer would drop us for
+        self._gap = (float("-inf"), 0.0)  # (when, how long): the last pause of this endpoint's timers
         loop.every_tick(self.tick)
         loop.idle_hint(self._idle_hint)
 
@@ -316,13 +317,18 @@ class Links:
         link.resend = resend
         self._end(link, error)
 
-    def _were_away(self) -> bool:
-        """Did this endpoint just come back from a pause long enough for producers to drop its
-        connections (a stopped process, a long GC or GIL stall)? A request it sent in the first
-        round after the pause went out on a connection the producer had already closed."""
+    def _were_away(self, link: Link) -> bool:
+        """Did this endpoint just come back from a pause long enough for ``link``'s producer to
+        drop its connection (a stopped process, a long GC or GIL stall)? A request sent in the first
+        rounds after the pause went out on a connection the producer had already closed. "Long
+        enough": most of the producer's own ``link_timeout_s`` (its Welcome says it; ours if not);
+        "just": the disconnect comes within our ``link_timeout_s`` of the pause's end."""
         now = time.monotonic()
-        away = self.cfg.link_timeout_s / 2
-        return now - self._last_tick > away or now - self._back_at < self.cfg.link_timeout_s
+        when, gap = self._gap
+        if now - self._last_tick > gap:  # this round has not ticked yet: its pause is the latest
+            when, gap = now, now - self._last_tick
+        drops_after = 0.8 * (link.drops_after_s or self.cfg.link_timeout_s)
+        return gap > drops_after and now - when < self.cfg.link_timeout_s
 
     def replace(self, link: Link, why: str) -> Link:
         """Drop a ready link and connect to its address afresh: the caller was told of another
@@ -372,7 +378,7 @@ class Links:
                 return
             event = ev.get("event")
             if event == zmq.EVENT_DISCONNECTED and link.state is LinkState.READY:
-                self.lose(link, f"producer {link.address} disconnected", resend=self._were_away())
+                self.lose(link, f"producer {link.address} disconnected", resend=self._were_away(link))
             elif event == zmq.EVENT_DISCONNECTED and link.connected:
                 link.connected, link.t_unconnected = False, time.monotonic()
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and link.state is LinkState.CONNECTING:
@@ -443,6 +449,7 @@ class Links:
             return self.fail(link, bad[1], bad[0])
         logger.debug("handshake with %s (%s) done: session %s", link.address, msg.name, msg.session)
         link.session, link.name, link.incarnation = msg.session, msg.name, msg.incarnation
+        link.drops_after_s = msg.link_timeout_s
         if self.transport is not None:
             if msg.agent_md is None or msg.arena is None:
                 return self.fail(link, f"producer {link.address} serves no data (control-only)", "INCOMPAT")
@@ -488,8 +495,9 @@ class Links:
 
     def tick(self, now: float) -> None:
         """Handshake resends and timeouts, query timeouts, heartbeats, silence."""
-        if now - self._last_tick > self.cfg.link_timeout_s / 2:
-            self._back_at = now
+        gap, (when, longest) = now - self._last_tick, self._gap
+        if gap > 0.1 and (gap >= longest or now - when > self.cfg.link_timeout_s):
+            self._gap = (now, gap)  # the longest recent pause of our timers (see ``_were_away``)
         self._last_tick = now
         for link in list(self._links.values()):
             if link.state is LinkState.CONNECTING:

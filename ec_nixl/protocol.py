@@ -117,6 +117,7 @@ class Welcome(msgspec.Struct, tag="welcome"):
     agent: str = ""
     md_len: int = 0
     md_sha256: bytes = b""
+    link_timeout_s: float = 0.0  # how long this producer keeps a silent consumer's connection (0: not said)
     mac: bytes = b""
 
 

@@ -233,7 +233,7 @@ class Server:
         self._hello_nonces[msg.nonce] = (identity, sid)
         t = self.transport
         session.welcome = handshake.welcome(self.me, sid, msg.nonce, t.metadata if t else None,
-                                            t.arena_info if t else None)
+                                            t.arena_info if t else None, self.cfg.link_timeout_s)
         self.reply(identity, session.welcome)
 
     def _table(self) -> Published:
