@@ -126,23 +126,30 @@ class ExpectLanded(PublishLanded):
     flow: PD's Hold waits at E while E encodes). The Hold (``wait_s``) is sent, and seen parked
     by the producer, before the timed publish; the producer answers it from the publish, the
     consumer posts its READ from that answer, and the barrier returns. No announcement travels
-    after the publish: this is the control path a request waits on in that flow."""
+    after the publish: this is the control path a request waits on in that flow. So the consumer
+    knows what it expects (a PD computes an item's shape from the request) and reads the bench
+    pipe's reply to the publish command only after its barrier returned (it says when publishing
+    began, and the descriptions it is checked against)."""
 
     name = "expect-landed"
 
     def op(self, payload) -> float:
         from ec_nixl import ItemRef
+        from ec_nixl.protocol import ItemDesc
+        from ec_nixl.bench import proc
 
         group, probes, hashes = payload
         c = self.c
         ep, barrier, addr = c.eps[self.ep_key], c.barriers[self.ep_key], c.info["address"]
+        nbytes, shape, dtype = self.spec_tuple()
+        expected = [ItemDesc(mm_hash=h, shape=list(shape), dtype=dtype, nbytes=nbytes) for h in hashes]
         self.parked = getattr(self, "parked", 0) + 1
         hold = ep.hold_async(addr, hashes, timeout=30, wait_s=10)
-        t_publish, descs = c.rpc("publish_when_parked", group, self.parked)
+        proc.send(c.prod, "publish_when_parked", group, self.parked)
         if not ep.wait_for(lambda: hold.done, 30):
             raise RuntimeError(f"the waiting Hold of {hashes[0]} was not answered after the publish")
         refs = []
-        for d in descs:
+        for d in expected:
             s = hold.states[d.mm_hash]
             if s.status != "ready":
                 raise RuntimeError(f"waiting hold of {d.mm_hash}: {s.status} {s.detail}")
@@ -150,6 +157,9 @@ class ExpectLanded(PublishLanded):
         tickets = ep.load(refs)
         out = barrier.wait(tickets, timeout=60)
         t_landed = time.perf_counter()
+        t_publish, descs = proc.reply(c.prod, "publish_when_parked", 60)
+        if list(descs) != expected:
+            raise RuntimeError(f"the producer published {descs[0]}, the consumer expected {expected[0]}")
         self.end_step(ep, tickets, refs, probes, out)
         return t_landed - t_publish
 
