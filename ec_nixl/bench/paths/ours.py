@@ -148,12 +148,13 @@ class ExpectLanded(PublishLanded):
         proc.send(c.prod, "publish_when_parked", group, self.parked)
         if not ep.wait_for(lambda: hold.done, 30):
             raise RuntimeError(f"the waiting Hold of {hashes[0]} was not answered after the publish")
-        refs = []
+        refs, now = [], time.time()
         for d in expected:
             s = hold.states[d.mm_hash]
             if s.status != "ready":
                 raise RuntimeError(f"waiting hold of {d.mm_hash}: {s.status} {s.detail}")
-            refs.append(ItemRef(desc=d, producer=addr, block=s.block, incarnation=hold.incarnation))
+            refs.append(ItemRef(desc=d, producer=addr, block=s.block, valid_until=now + s.lease_s - 1,
+                                incarnation=hold.incarnation))
         tickets = ep.load(refs)
         out = barrier.wait(tickets, timeout=60)
         t_landed = time.perf_counter()
