@@ -132,6 +132,35 @@ class _NoListener:
         pass
 
 
+class Pauses:
+    """This endpoint's own pauses, as its timers saw them: a stopped process, a long GC or GIL
+    stall. A producer drops a connection that answered no ping for its ``link_timeout_s``, so a
+    request sent in the first rounds after such a pause may go out on a connection that is
+    already gone; ``Links.lose`` may then send it again (see ``Loader.on_down``)."""
+
+    def __init__(self, cfg: EndpointConfig):
+        self.cfg = cfg
+        self._last_tick = time.monotonic()
+        self._gap = (float("-inf"), 0.0)  # (when it ended, how long): the longest recent pause
+
+    def tick(self, now: float) -> None:
+        gap, (when, longest) = now - self._last_tick, self._gap
+        if gap > 0.1 and (gap >= longest or now - when > self.cfg.link_timeout_s):
+            self._gap = (now, gap)
+        self._last_tick = now
+
+    def were_away(self, link: Link) -> bool:
+        """Did we just come back from a pause long enough for ``link``'s producer to drop us?
+        "Long enough": most of the producer's own ``link_timeout_s`` (its Welcome says it; ours
+        if not); "just": within our ``link_timeout_s`` of the pause's end."""
+        now = time.monotonic()
+        when, gap = self._gap
+        if now - self._last_tick > gap:  # this round has not ticked yet: its pause is the latest
+            when, gap = now, now - self._last_tick
+        drops_after = 0.8 * (link.drops_after_s or self.cfg.link_timeout_s)
+        return gap > drops_after and now - when < self.cfg.link_timeout_s
+
+
 class Links:
     """All links of one endpoint. Public calls: ``hold_async``/``hold``/``query_stats`` (any thread);
     the rest runs on the owner thread."""
@@ -145,8 +174,7 @@ class Links:
         self._by_session: dict[str, Link] = {}
         self._failures: dict[str, int] = {}  # address -> slow failed attempts in a row (back-off)
         self._reqs = itertools.count(1)
-        self._last_tick = time.monotonic()
-        self._gap = (float("-inf"), 0.0)  # (when, how long): the last pause of this endpoint's timers
+        self.pauses = Pauses(cfg)
         loop.every_tick(self.tick)
         loop.idle_hint(self._idle_hint)
 
@@ -317,19 +345,6 @@ class Links:
         link.resend = resend
         self._end(link, error)
 
-    def _were_away(self, link: Link) -> bool:
-        """Did this endpoint just come back from a pause long enough for ``link``'s producer to
-        drop its connection (a stopped process, a long GC or GIL stall)? A request sent in the first
-        rounds after the pause went out on a connection the producer had already closed. "Long
-        enough": most of the producer's own ``link_timeout_s`` (its Welcome says it; ours if not);
-        "just": the disconnect comes within our ``link_timeout_s`` of the pause's end."""
-        now = time.monotonic()
-        when, gap = self._gap
-        if now - self._last_tick > gap:  # this round has not ticked yet: its pause is the latest
-            when, gap = now, now - self._last_tick
-        drops_after = 0.8 * (link.drops_after_s or self.cfg.link_timeout_s)
-        return gap > drops_after and now - when < self.cfg.link_timeout_s
-
     def replace(self, link: Link, why: str) -> Link:
         """Drop a ready link and connect to its address afresh: the caller was told of another
         incarnation than the link's, so the link may lead to a process that is gone (an
@@ -378,7 +393,7 @@ class Links:
                 return
             event = ev.get("event")
             if event == zmq.EVENT_DISCONNECTED and link.state is LinkState.READY:
-                self.lose(link, f"producer {link.address} disconnected", resend=self._were_away(link))
+                self.lose(link, f"producer {link.address} disconnected", resend=self.pauses.were_away(link))
             elif event == zmq.EVENT_DISCONNECTED and link.connected:
                 link.connected, link.t_unconnected = False, time.monotonic()
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and link.state is LinkState.CONNECTING:
@@ -457,7 +472,7 @@ class Links:
                 link.peer = self.transport.add_peer(msg.agent_md, msg.arena, msg.incarnation, msg.agent)
             except Exception as e:
                 return self.fail(link, f"cannot add producer {link.address} as NIXL peer: {e}", "INCOMPAT")
-            link.mode = self._choose_mode(link)
+            link.mode = choose_mode(self.cfg, self.transport, self.metrics, link)
         link.move(LinkState.READY)
         self._by_session[link.session] = link
         unsent, link.unsent = link.unsent, []
@@ -466,39 +481,11 @@ class Links:
         self._failures.pop(link.address, None)
         self.listener.on_ready(link)
 
-    def _choose_mode(self, link: Link) -> str:
-        """Time a small READ and WRITE over the real path; pick the faster unless forced."""
-        peer = link.peer
-        n = self.cfg.probe_blocks
-        if self.cfg.mode != "auto":
-            mode = self.cfg.mode
-            read_s = write_s = float("nan")
-        else:
-            read_s = self.transport.probe(peer, "READ", n)
-            write_s = self.transport.probe(peer, "WRITE", n)
-            mode = "read" if read_s <= write_s else "write"
-        gbps = (n * self.cfg.block_bytes) / (read_s if mode == "read" else write_s) / 1e9 \
-            if self.cfg.mode == "auto" else float("nan")
-        self.metrics.link_modes[link.name] = mode
-        if gbps == gbps:  # measured (not a forced mode): what the consumer's scheduler plans loads with
-            self.metrics.link_gbps[link.address] = gbps
-        logger.info("ec-nixl link %s -> %s: mode=%s (probe %d KiB: READ %.1f us, WRITE %.1f us)",
-                    link.name, self.cfg.name, mode, n * self.cfg.block_bytes >> 10, read_s * 1e6, write_s * 1e6)
-        slow = 5.0 if self.transport.arena.mem_type == "VRAM" else 0.5
-        if gbps == gbps and gbps < slow:
-            logger.warning(
-                "ec-nixl link %s uses %s at only %.2f GB/s: the path looks emulated (e.g. UCX tcp instead "
-                "of cuda_ipc/rdma/cma); check UCX_TLS and UCX_PROTO_INFO=y", link.name, mode.upper(), gbps)
-        return mode
-
     # --- timers ----------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
         """Handshake resends and timeouts, query timeouts, heartbeats, silence."""
-        gap, (when, longest) = now - self._last_tick, self._gap
-        if gap > 0.1 and (gap >= longest or now - when > self.cfg.link_timeout_s):
-            self._gap = (now, gap)  # the longest recent pause of our timers (see ``_were_away``)
-        self._last_tick = now
+        self.pauses.tick(now)
         for link in list(self._links.values()):
             if link.state is LinkState.CONNECTING:
                 if not link.connected and now - link.t_unconnected > self.cfg.link_timeout_s:
@@ -551,3 +538,29 @@ class Links:
                 self._drop(link)
             except Exception:
                 pass
+
+
+def choose_mode(cfg: EndpointConfig, transport: "Transport", metrics: Metrics, link: Link) -> str:
+    """The link probe: time a small READ and WRITE over the real path; pick the faster unless forced."""
+    peer = link.peer
+    n = cfg.probe_blocks
+    if cfg.mode != "auto":
+        mode = cfg.mode
+        read_s = write_s = float("nan")
+    else:
+        read_s = transport.probe(peer, "READ", n)
+        write_s = transport.probe(peer, "WRITE", n)
+        mode = "read" if read_s <= write_s else "write"
+    gbps = (n * cfg.block_bytes) / (read_s if mode == "read" else write_s) / 1e9 \
+        if cfg.mode == "auto" else float("nan")
+    metrics.link_modes[link.name] = mode
+    if gbps == gbps:  # measured (not a forced mode): what the consumer's scheduler plans loads with
+        metrics.link_gbps[link.address] = gbps
+    logger.info("ec-nixl link %s -> %s: mode=%s (probe %d KiB: READ %.1f us, WRITE %.1f us)",
+                link.name, cfg.name, mode, n * cfg.block_bytes >> 10, read_s * 1e6, write_s * 1e6)
+    slow = 5.0 if transport.arena.mem_type == "VRAM" else 0.5
+    if gbps == gbps and gbps < slow:
+        logger.warning(
+            "ec-nixl link %s uses %s at only %.2f GB/s: the path looks emulated (e.g. UCX tcp instead "
+            "of cuda_ipc/rdma/cma); check UCX_TLS and UCX_PROTO_INFO=y", link.name, mode.upper(), gbps)
+    return mode
