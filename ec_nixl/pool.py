@@ -26,6 +26,8 @@ from ec_nixl.arena import Arena
 from ec_nixl.errors import ItemTooLarge, PoolExhausted
 from ec_nixl.states import SLOT_NEXT, SlotState, advance
 
+_LIVE, _FREE = SlotState.LIVE, SlotState.FREE  # bound once: an Enum member lookup costs ~0.1 us per slot
+
 
 class Fence(Protocol):
     """Anything that can say whether the work it guards has finished (e.g. ``torch.cuda.Event``)."""
@@ -66,7 +68,7 @@ class Slot:
         self.pool = pool
         self.holds = 1
         self.fences: list[Fence] = []
-        self.state = SlotState.LIVE
+        self.state = _LIVE
         self.tag = tag
 
     @property
@@ -270,7 +272,7 @@ class Pool:
             return None
         with self._lock:
             for slot in self._live.values():
-                if slot.block * self.block_size == off and slot.state is SlotState.LIVE:
+                if slot.block * self.block_size == off and slot.state is _LIVE:
                     return slot
         return None
 
@@ -279,7 +281,7 @@ class Pool:
 
     def _give_back(self, slot: Slot) -> None:
         """Return a slot's blocks to the free list, merging neighbours. Lock held."""
-        slot.state = advance(slot.state, SlotState.FREE, SLOT_NEXT)
+        slot.state = advance(slot.state, _FREE, SLOT_NEXT)
         self._live.pop(slot.id, None)
         self._used_blocks -= slot.nblocks
         self._frees += 1
@@ -299,7 +301,7 @@ class Pool:
 
     def hold(self, slot: Slot) -> None:
         with self._lock:
-            if slot.state is not SlotState.LIVE:
+            if slot.state is not _LIVE:
                 raise RuntimeError(f"cannot hold {slot!r}: it is {slot.state}")
             slot.holds += 1
 
@@ -311,7 +313,7 @@ class Pool:
     def release(self, slot: Slot, fence: Optional[Fence] = None) -> None:
         """Drop one hold; the slot is freed once no hold and no pending fence remains."""
         with self._lock:
-            if slot.state is not SlotState.LIVE:
+            if slot.state is not _LIVE:
                 return  # released twice (e.g. cancel racing completion): harmless
             if fence is not None:
                 slot.fences.append(fence)
@@ -333,7 +335,7 @@ class Pool:
         All holds are dropped: the quarantine owns the slot from now on.
         """
         with self._lock:
-            if slot.state is not SlotState.LIVE:
+            if slot.state is not _LIVE:
                 return
             slot.state = advance(slot.state, SlotState.QUARANTINED, SLOT_NEXT)
             slot.holds = 0

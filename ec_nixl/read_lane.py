@@ -21,7 +21,7 @@ from ec_nixl.loop import OwnerLoop
 from ec_nixl.metrics import Metrics
 from ec_nixl.protocol import MAX_ITEM_BYTES, validate_item
 from ec_nixl.pool import Pool
-from ec_nixl.states import LinkState, Phase, TicketState
+from ec_nixl.states import PHASE_NEXT, LinkState, Phase, TicketState, advance
 from ec_nixl.tickets import ItemRef, LoadTicket
 from ec_nixl.transport import Transport, Xfer
 
@@ -186,7 +186,7 @@ class ReadLane:
         lands them then, never before). Both posting paths end here."""
         for t in tickets:
             t.xfer, t.t_post = x, t_post
-            t.enter(_READ)
+            t.phase = advance(t.phase, _READ, PHASE_NEXT)
         self.in_flight[x] = tickets
 
     # --- the waiter drives its own transfers -------------------------------------------
@@ -257,7 +257,7 @@ class ReadLane:
                     else:
                         self.fail(t, f"READ from {t.ref.producer} failed (NIXL ERR)", "XFER_ERR")
                 continue
-            landed = []
+            landed, t_done = [], time.perf_counter()
             for t in tickets:
                 if t.state is not _PENDING:
                     continue
@@ -270,7 +270,7 @@ class ReadLane:
                     self.fail(t, f"{timeout_error(t)}: its READ was seen done only after the deadline, "
                                  f"its bytes are not trusted", "TIMEOUT", retryable=True, settled=True)
                 else:
-                    t.land()
+                    t.land(t_done)
                     landed.append(t)
             self.metrics.count("loads_landed", len(landed))
             self.unsettled.append((x, landed))
