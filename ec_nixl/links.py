@@ -339,8 +339,9 @@ class Links:
         """The producer went away: fail what waits on it (the listener quarantines what a DMA
         may touch), then drop the link. ``resend``: the producer dropped our session, not the
         other way round (it says it no longer knows it, or the connection broke just after we were
-        away long enough to be dropped): requests it never answered were never acted on, so the
-        listener may send them again, once, on a new connection instead of failing them."""
+        away long enough to be dropped): requests it never answered were never acted on, so they go
+        out again, once, on a new connection instead of failing: the listener's Gets
+        (``Loader.on_down``) and our own Hold and Stats queries (``_end``)."""
         logger.warning("ec-nixl: %s", error)
         link.resend = resend
         self._end(link, error)
@@ -357,8 +358,14 @@ class Links:
     def _end(self, link: Link, error: str) -> None:
         link.move(LinkState.LOST)
         self.listener.on_down(link, error, "PEER_LOST")
+        again = [q for q in link.queries.values() if not q.resent] if link.resend else []
+        for q in again:  # unanswered, so never acted on: asked once more below, not failed
+            q.resent = True
+            del link.queries[q.req]
         self._finish_queries(link, "UNREACHABLE", error)
         self._drop(link)
+        for q in again:
+            self.ask(q)  # on a new connection (the address is free again)
 
     def _finish_queries(self, link: Link, status: str, error: str) -> None:
         for q in list(link.queries.values()) + link.unsent:

@@ -18,7 +18,7 @@ class HoldRequest:
     """An asynchronous Hold; ``states`` is None until answered (or failed/timed out)."""
 
     __slots__ = ("producer", "mm_hashes", "readers", "req", "deadline", "states", "incarnation", "t_asked",
-                 "t_answered", "wait_s")
+                 "t_answered", "wait_s", "resent")
     kind = "hold"
 
     def __init__(self, producer: str, mm_hashes: list[str], readers: int, req: int, deadline: float,
@@ -30,6 +30,7 @@ class HoldRequest:
         self.incarnation = ""  # of the producer that answered (goes into ItemRef.incarnation)
         self.t_asked = time.monotonic()
         self.t_answered = 0.0  # when the answer (or the failure) arrived: the round trip's end
+        self.resent = False  # asked again on a new connection (``Links.lose``; once at most)
 
     @property
     def done(self) -> bool:
@@ -62,13 +63,14 @@ class HoldRequest:
 class StatsRequest:
     """An asynchronous Stats query; ``stats`` is None until answered, ``error`` set on failure."""
 
-    __slots__ = ("producer", "req", "deadline", "stats", "error")
+    __slots__ = ("producer", "req", "deadline", "stats", "error", "resent")
     kind = "stats"
 
     def __init__(self, producer: str, req: int, deadline: float):
         self.producer, self.req, self.deadline = producer, req, deadline
         self.stats: Optional[dict] = None
         self.error = ""
+        self.resent = False
 
     @property
     def done(self) -> bool:

@@ -313,6 +313,46 @@ def test_a_get_the_producer_dropped_unanswered_goes_out_once_more_on_a_new_conne
     fetch(cons, refs_for(prod, prod.call("publish", later)), later, device)  # and the producer still serves us
 
 
+def test_a_hold_the_producer_dropped_unanswered_is_asked_once_more_on_a_new_connection(procs, make_consumer,
+                                                                                       device):
+    """The same for a Hold (a vLLM scheduler's question; failing it encodes the request locally):
+    the producer says it no longer knows our session while the Hold waits there for an item not
+    published yet (**injected** Refused, as above); it is asked again on a new connection and
+    answered once the item is published; dropped again, it fails UNREACHABLE naming the producer."""
+    from ec_nixl import protocol as P
+    from ec_nixl.states import LinkState
+    from helpers import fetch, refs_for
+
+    prod = procs(device=device)
+    cons = make_consumer(mode="read", pool_bytes=SMALL)
+    warm = [("warm", (8, 8), "float32", 1)]
+    fetch(cons, refs_for(prod, prod.call("publish", warm)), warm, device)  # a ready link
+
+    def drop_session_under(h):
+        link = cons.links.find(prod.address)
+        assert link.state is LinkState.READY and h.req in link.queries and not h.done, (link, h.states)
+        cons.links._on_message(link, P.Refused(reason=P.Nack.UNKNOWN_SESSION.value, detail="injected", req=h.req))
+        assert link.state is LinkState.LOST and cons.links.find(prod.address) is not link
+
+    def parked(h):
+        """The new link is ready and the Hold went out on it; it waits there (item not published)."""
+        link = cons.links.find(prod.address)
+        assert cons.wait_for(lambda: link.state is LinkState.READY, 10) and not h.done, h.states
+
+    h = cons.hold_async(prod.address, ["h1"], timeout=10, wait_s=8)
+    drop_session_under(h)
+    parked(h)
+    prod.call("publish", [("h1", (16, 16), "float32", 2)])
+    assert cons.wait_for(lambda: h.done, 10)
+    assert h.states["h1"].status == "ready" and h.incarnation, h.states
+
+    h = cons.hold_async(prod.address, ["h2"], timeout=10, wait_s=8)
+    drop_session_under(h)
+    parked(h)
+    drop_session_under(h)  # asked again once already: now it fails
+    assert h.states["h2"].status == "UNREACHABLE" and prod.address in h.states["h2"].detail, h.states
+
+
 # --------------------------------------------------------------------------------------------
 # the proxy: an encoder that is down costs latency, not errors
 
