@@ -364,6 +364,8 @@ class Links:
             del link.queries[q.req]
         self._finish_queries(link, "UNREACHABLE", error)
         self._drop(link)
+        if again:
+            self.metrics.count("resent", len(again))
         for q in again:
             self.ask(q)  # on a new connection (the address is free again)
 

@@ -345,6 +345,7 @@ def test_a_hold_the_producer_dropped_unanswered_is_asked_once_more_on_a_new_conn
     prod.call("publish", [("h1", (16, 16), "float32", 2)])
     assert cons.wait_for(lambda: h.done, 10)
     assert h.states["h1"].status == "ready" and h.incarnation, h.states
+    assert cons.metrics.counters["resent"] == 1
 
     h = cons.hold_async(prod.address, ["h2"], timeout=10, wait_s=8)
     drop_session_under(h)

@@ -81,6 +81,7 @@ class NixlECConnectorStats(ECConnectorStats):
             "staging_copies": c.get("staging_copies", 0),
             "reserve_waits": c.get("reserve_waits", 0),
             "reserve_failures": c.get("reserve_failures", 0),
+            "resent": c.get("resent", 0),
         }
         if d["pool"]:
             out["pool_used_bytes"] = sum(int(r.get("used", 0)) for r in d["pool"].values())
@@ -122,6 +123,7 @@ _PROM_COUNTERS = {
     "admitted": "vllm:nixl_ec_num_admitted",
     "admission_steps": "vllm:nixl_ec_num_admission_steps",
     "expected_items": "vllm:nixl_ec_num_expected_items",
+    "resent": "vllm:nixl_ec_num_resent",
 }
 
 
