@@ -21,7 +21,7 @@ from ec_nixl.loop import OwnerLoop
 from ec_nixl.metrics import Metrics
 from ec_nixl.protocol import MAX_ITEM_BYTES, validate_item
 from ec_nixl.pool import Pool
-from ec_nixl.states import PHASE_NEXT, LinkState, Phase, TicketState, advance
+from ec_nixl.states import LinkState, Phase, TicketState
 from ec_nixl.tickets import ItemRef, LoadTicket
 from ec_nixl.transport import Transport, Xfer
 
@@ -186,7 +186,7 @@ class ReadLane:
         lands them then, never before). Both posting paths end here."""
         for t in tickets:
             t.xfer, t.t_post = x, t_post
-            t.phase = advance(t.phase, _READ, PHASE_NEXT)
+            t.enter(_READ)
         self.in_flight[x] = tickets
 
     # --- the waiter drives its own transfers -------------------------------------------

@@ -122,7 +122,7 @@ class LoadTicket:
         ``t_done``: when (``perf_counter``), if the caller landed a whole request at once."""
         if self.slot is None:
             raise RuntimeError(f"item {self.mm_hash} landed without a slot")
-        self.phase = advance(self.phase, _DONE, PHASE_NEXT)
+        self.enter(_DONE)
         self.t_done = t_done or time.perf_counter()
         self.state = advance(self.state, _LANDED, TICKET_NEXT)
         if self._view is None:
@@ -130,7 +130,7 @@ class LoadTicket:
 
     def fail(self, error: str, reason: str, retryable: bool) -> None:
         """Record the failure; the caller has already decided what happens to the slot."""
-        self.phase = advance(self.phase, _DONE, PHASE_NEXT)
+        self.enter(_DONE)
         self.t_done = time.perf_counter()
         self.error, self.reason, self.retryable = error, reason, retryable
         self.state = advance(self.state, _FAILED, TICKET_NEXT)
