@@ -251,10 +251,13 @@ class Loader:
         work = self._work.get(link)
         if work is None:
             return
-        if link.resend:
-            self._resend[link] = self._unanswered(work)
+        again = self._unanswered(work) if link.resend else []
+        if again:
+            self._resend[link] = again
+        spared = set(map(id, again))
         for t in work.tickets():
-            self.fail(t, error, reason)
+            if id(t) not in spared:
+                self.fail(t, error, reason)
         work.waiting, work.get_queue, work.push_queue, work.read_queue = [], [], [], []
         work.by_req.clear()
         work.pushed.clear()
@@ -274,17 +277,11 @@ class Loader:
 
     @staticmethod
     def _unanswered(work: LinkWork) -> list[LoadTicket]:
-        """Take out the tickets of a lost link whose Get was not answered yet (queued, or sent
-        with no Grant back) and that were not sent again before: they hold a slot no DMA can
-        touch, so they may go out once more instead of failing."""
-        again = [t for t in work.get_queue if t.pending and not t.resent]
-        for batch in work.by_req.values():
-            again.extend(t for t in batch if t.pending and not t.resent)
-        if again:
-            gone = set(map(id, again))
-            work.get_queue = [t for t in work.get_queue if id(t) not in gone]
-            for req, batch in list(work.by_req.items()):
-                work.by_req[req] = [t for t in batch if id(t) not in gone]
+        """The tickets of a lost link whose Get was not answered yet (queued, or sent with no
+        Grant back) and that were not sent again before, marked as sent again: they hold a slot
+        no DMA can touch, so they may go out once more instead of failing."""
+        asked = work.get_queue + [t for batch in work.by_req.values() for t in batch]
+        again = [t for t in asked if t.pending and not t.resent]
         for t in again:
             t.resent = True
         return again

@@ -265,6 +265,18 @@ def test_consumer_whose_session_was_reclaimed_reconnects(procs, make_consumer, d
     assert got[0][1] == "landed" and got[0][3] == digest(make_item(9, (32, 32), "float32")), got
 
 
+def refuse_session(cons, address: str, req: int) -> None:
+    """**Fault injection**: the producer at ``address`` answers request ``req`` of our ready link
+    with ``Refused UNKNOWN_SESSION`` (as one that dropped our session would); the link is lost."""
+    from ec_nixl import protocol as P
+    from ec_nixl.states import LinkState
+
+    link = cons.links.find(address)
+    assert link.state is LinkState.READY, link
+    cons.links._on_message(link, P.Refused(reason=P.Nack.UNKNOWN_SESSION.value, detail="injected", req=req))
+    assert link.state is LinkState.LOST and cons.links.find(address) is not link
+
+
 def test_a_get_the_producer_dropped_unanswered_goes_out_once_more_on_a_new_connection(procs, make_consumer,
                                                                                        device):
     """The producer says it no longer knows our session while our Get is unanswered (what a
@@ -272,7 +284,6 @@ def test_a_get_the_producer_dropped_unanswered_goes_out_once_more_on_a_new_conne
     connection the producer already closed). The Refused is **injected** (a fault; the producer
     itself still serves): the Get goes out again on a new connection and the items land; a ticket
     is sent again once only, then fails naming the producer, and no slot leaks."""
-    from ec_nixl import protocol as P
     from ec_nixl.states import LinkState
     from helpers import check, fetch, refs_for
 
@@ -287,10 +298,8 @@ def test_a_get_the_producer_dropped_unanswered_goes_out_once_more_on_a_new_conne
         """Our unthreaded consumer sent the Get and has not run since: its Grant is still unread."""
         link = cons.links.find(prod.address)
         reqs = list(cons.loader._work[link].by_req)
-        assert link.state is LinkState.READY and len(reqs) == 1, (link, reqs)
-        cons.links._on_message(link, P.Refused(reason=P.Nack.UNKNOWN_SESSION.value, detail="injected",
-                                               req=reqs[0]))
-        assert link.state is LinkState.LOST and cons.links.find(prod.address) is not link
+        assert len(reqs) == 1, reqs
+        refuse_session(cons, prod.address, reqs[0])
 
     tickets = cons.load(refs)
     drop_session_under_the_get()
@@ -319,7 +328,6 @@ def test_a_hold_the_producer_dropped_unanswered_is_asked_once_more_on_a_new_conn
     the producer says it no longer knows our session while the Hold waits there for an item not
     published yet (**injected** Refused, as above); it is asked again on a new connection and
     answered once the item is published; dropped again, it fails UNREACHABLE naming the producer."""
-    from ec_nixl import protocol as P
     from ec_nixl.states import LinkState
     from helpers import fetch, refs_for
 
@@ -329,10 +337,8 @@ def test_a_hold_the_producer_dropped_unanswered_is_asked_once_more_on_a_new_conn
     fetch(cons, refs_for(prod, prod.call("publish", warm)), warm, device)  # a ready link
 
     def drop_session_under(h):
-        link = cons.links.find(prod.address)
-        assert link.state is LinkState.READY and h.req in link.queries and not h.done, (link, h.states)
-        cons.links._on_message(link, P.Refused(reason=P.Nack.UNKNOWN_SESSION.value, detail="injected", req=h.req))
-        assert link.state is LinkState.LOST and cons.links.find(prod.address) is not link
+        assert h.req in cons.links.find(prod.address).queries and not h.done, h.states
+        refuse_session(cons, prod.address, h.req)
 
     def parked(h):
         """The new link is ready and the Hold went out on it; it waits there (item not published)."""
