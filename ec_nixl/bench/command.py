@@ -23,6 +23,9 @@ from ec_nixl.bench import orchestrator, proc, report
 from ec_nixl.bench.paths import ALL_PATHS
 from ec_nixl.bench.units import BLOCK, CPU_GOAL_SIZE, DEFAULT_SIZES, PROBE_BYTES, QUICK_SIZES, blocks, human, parse_size
 
+STEPS_PER_CHUNK = 4
+"""Steps a default pool holds, so that most timed steps follow another one (see ``plan``)."""
+
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -46,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=None, help="untimed operations first, per case (default 3)")
     p.add_argument("--paths", default=",".join(ALL_PATHS), help=f"comma list of {', '.join(ALL_PATHS)}")
     p.add_argument("--pool-bytes", default=None,
-                   help="pool size per endpoint (default: the largest step, or 4 of the largest item)")
+                   help="pool size per endpoint (default: room for 4 steps, or 4 of the largest item)")
     p.add_argument("--idle-s", type=float, default=None,
                    help="idle window after the handshake, for the CPU cost of an idle pair (default 10, --quick 3; "
                         "0: none)")
@@ -99,9 +102,14 @@ def plan(args) -> dict:
     cases = [((s.nbytes, s.shape, s.dtype, s.label), 1) for s in sizes]
     if items > 1:
         cases.append(((bspec.nbytes, bspec.shape, bspec.dtype, bspec.label), items))
-    # Headroom: a producer frees a step's items asynchronously (when its own poll sees the
-    # transfer done), so the next step may be created before the last one is gone.
-    largest = max([blocks(s.nbytes) * BLOCK * 4 for s in sizes] + [blocks(bspec.nbytes) * BLOCK * max(items, 1) * 2])
+    # Room for STEPS_PER_CHUNK steps (or 4 of the largest item): a chunk's operations run back to
+    # back, but its first one follows the producer's making of the items and a Hold round trip,
+    # with this process asleep in between. On the H200 host that first 32-item step ran ~170 us
+    # slower (440 vs 270 us, bench/probes/hotpath.py --batch 1 vs 10, 2026-12-05): with room for
+    # 2 steps, half of ours-read's samples were such first ones and its p50 was 1.3-1.5x the
+    # probe's, while raw-nixl (little host work per operation) hardly paid it.
+    largest = max([blocks(s.nbytes) * BLOCK * 4 for s in sizes]
+                  + [blocks(bspec.nbytes) * BLOCK * max(items, 1) * STEPS_PER_CHUNK])
     pool = parse_size(args.pool_bytes).nbytes if args.pool_bytes else largest + PROBE_BYTES + BLOCK
     pool = -(-pool // BLOCK) * BLOCK
     need = max([blocks(s.nbytes) * BLOCK for s in sizes] + [blocks(bspec.nbytes) * BLOCK * max(items, 1)])

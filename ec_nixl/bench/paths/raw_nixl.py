@@ -34,7 +34,7 @@ from ec_nixl.bench.paths.base import Path, Skip
 from ec_nixl.bench.units import page_round
 
 ZCOPY = "CUDA_IPC_ENABLE_GET_ZCOPY"
-RING = 64  # most slots per ring: a chunk uses each slot at most once
+RING = 128  # most slots per ring: a chunk uses each slot at most once (4 steps of 32 items)
 POISON = 0xA5
 XFER_TIMEOUT_S = 60.0
 PROGRESS_WAIT_S = 0.01  # EndpointConfig.nixl_progress_wait_s's default: what ours' producer runs with
