@@ -15,7 +15,10 @@ send returned: on a busy host the I/O thread may be preempted right after it, an
 comes after the consumer already saw the answer. Not a benchmark of record:
 ``ec-nixl bench --paths expect-landed`` is; this says which hop to work on.
 
-    python bench/probes/handoff_trace.py [--device cpu|cuda] [--size 64K] [--n 60]
+Each hand-off's item is then read once more at once (load() -> barrier, into another slot): the
+READ after the hand-off against the same READ when nothing else happened in between.
+
+    python bench/probes/handoff_trace.py [--device cpu|cuda] [--size 64K] [--n 60] [--quiet-ms MS] [--touch] [--busy]
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+import threading
 import time
 
 STEPS = ("publish_slot returned", "answer_parked entered", "Grant sent", "consumer saw the answer",
          "load() returned", "barrier returned")
 
 
-def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str) -> None:
+def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: float = 0.0) -> None:
     import torch
 
     from ec_nixl.config import EndpointConfig
@@ -59,6 +63,7 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str) -> None:
         slot.bytes()[:nbytes].fill_(parked % 251)
         if device == "cuda":
             torch.cuda.synchronize()
+        time.sleep(quiet_s)  # --quiet-ms: this process's GPU work long done before the publish
         while ep.metrics.counters.get("holds_parked", 0) < parked:  # the consumer's Hold is here
             time.sleep(0.0002)
         marks.clear()
@@ -70,11 +75,30 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str) -> None:
     ep.close()
 
 
+def keep_busy(stop) -> None:
+    """``--busy``: tiny kernels on a stream of their own until ``stop``."""
+    import torch
+
+    x = torch.zeros(1024, device="cuda")
+    with torch.cuda.stream(torch.cuda.Stream()):
+        while not stop.is_set():
+            x.add_(1)
+            time.sleep(0.0002)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--size", default="64K", help="item size (K/M suffixes)")
     ap.add_argument("--n", type=int, default=60, help="hand-offs timed (after 5 untimed)")
+    ap.add_argument("--quiet-ms", type=float, default=0.0,
+                    help="the producer waits this long after writing an item before publishing it")
+    ap.add_argument("--touch", action="store_true",
+                    help="the consumer runs a tiny kernel (and waits for it) right before load(): its CUDA "
+                         "context is then the GPU's most recent one when the READ is posted")
+    ap.add_argument("--busy", action="store_true",
+                    help="a thread of the consumer launches a tiny kernel every ~0.2 ms on its own stream, as a "
+                         "PD worker's forward passes keep its GPU busy")
     args = ap.parse_args()
     from ec_nixl.bench.units import parse_size
 
@@ -89,13 +113,22 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=producer, args=(there, args.device, nbytes, shape, dtype), daemon=True)
+    proc = ctx.Process(target=producer, args=(there, args.device, nbytes, shape, dtype, args.quiet_ms / 1e3),
+                       daemon=True)
     proc.start()
     addr = here.recv()
     ep = Endpoint(EndpointConfig(name="trace-cons", device=args.device, pool_bytes=max(64 << 20, 8 * nbytes),
-                                 threaded=False))
+                                 threaded=False, mode="read"))
     barrier = LoadBarrier(ep, settle=False)  # as vLLM's PD worker: settle after the hand-over
-    rows = []
+    rows, again = [], []
+    touch = None
+    if args.touch and args.device == "cuda":
+        import torch
+
+        touch = torch.zeros(1, device="cuda")
+    stop = threading.Event()
+    if args.busy and args.device == "cuda":
+        threading.Thread(target=keep_busy, args=(stop,), daemon=True).start()
     try:
         for i in range(args.n + 5):
             mm_hash = f"trace-{i}"
@@ -109,18 +142,33 @@ def main() -> None:
             if s.status != "ready":
                 raise RuntimeError(f"hold of {mm_hash}: {s.status} {s.detail}")
             desc = ItemDesc(mm_hash=mm_hash, shape=list(shape), dtype=dtype, nbytes=nbytes)
-            tickets = ep.load([ItemRef(desc=desc, producer=addr, block=s.block, valid_until=time.time() + s.lease_s - 1,
-                                       incarnation=hold.incarnation)])
+            if touch is not None:
+                touch.add_(1)
+                torch.cuda.synchronize()
+            refs = [ItemRef(desc=desc, producer=addr, block=s.block, valid_until=time.time() + s.lease_s - 1,
+                            incarnation=hold.incarnation)]
+            c_read = time.perf_counter()
+            tickets = ep.load(refs)
             c_loaded = time.perf_counter()
             barrier.wait(tickets, timeout=10)
             c_landed = time.perf_counter()
+            # The control: the same item read again at once, into another slot (a hot READ; its
+            # bytes stay where they are until the producer reserves the next item, after this).
+            t_again = time.perf_counter()
+            second = ep.load(refs)
+            barrier.wait(second, timeout=10)
+            dt_again = time.perf_counter() - t_again
+            for t in second:
+                t.release()
             t0, t1, t_answer, t_sent = here.recv()
             for t in tickets:
                 t.release()
             ep.progress()
             if i >= 5:
                 rows.append([x - t0 for x in (t1, t_answer, t_sent, c_seen, c_loaded, c_landed)])
+                again.append((c_landed - c_read, dt_again))
     finally:
+        stop.set()
         here.send(None)
         proc.join(10)
         ep.close()
@@ -129,6 +177,10 @@ def main() -> None:
         xs = sorted(r[k] * 1e6 for r in rows)
         print(f"  {name:24s} p50 {statistics.median(xs):8.1f}   p10 {xs[len(xs) // 10]:8.1f}   "
               f"p90 {xs[9 * len(xs) // 10]:8.1f}")
+    first = sorted(a * 1e6 for a, _ in again)
+    hot = sorted(b * 1e6 for _, b in again)
+    print(f"  the READ itself (load() -> barrier): after the hand-off p50 {statistics.median(first):.1f} us, "
+          f"the same item again right after p50 {statistics.median(hot):.1f} us")
 
 
 if __name__ == "__main__":
