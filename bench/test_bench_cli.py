@@ -258,17 +258,39 @@ def test_a_goal_for_another_device_is_not_missed_on_cpu():
         "n/a here (a CPU goal; this run is on cuda)")
 
 
+def _probe(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "probes", name), *args],
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+
+
 @pytest.mark.parametrize("extra", [["--floor", "--check"], ["--python-only"], ["--items", "3", "--profile", "--top", "5"]])
 def test_hotpath_probe_runs(extra):
     """bench/probes/hotpath.py (where a load's host time goes) keeps working: a producer process,
     real NIXL DRAM loads through the endpoint, checked bytes with --check; --python-only fakes
     NIXL's post and poll after warm-up (its purpose: the connector's own Python per operation)."""
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "probes", "hotpath.py"), "--size", "64K",
-                        "--n", "12", "--batch", "6", *extra], capture_output=True, text=True, timeout=180,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    r = _probe("hotpath.py", "--size", "64K", "--n", "12", "--batch", "6", *extra)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "read 64K" in r.stdout and "n=12 p50" in r.stdout, r.stdout[-2000:]
     if "--floor" in extra:
         assert "bare transfer" in r.stdout
     if "--profile" in extra:
         assert "function calls" in r.stdout
+
+
+def test_handoff_trace_probe_runs():
+    """bench/probes/handoff_trace.py (where publish -> landed goes in the overlapped flow) keeps
+    working: a producer process with a parked Hold, real NIXL DRAM READs, every step stamped, the
+    READ after the hand-off and its control; --quiet-ms delays the publish."""
+    r = _probe("handoff_trace.py", "--size", "64K", "--n", "6", "--quiet-ms", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "6 hand-offs" in r.stdout and "barrier returned" in r.stdout, r.stdout[-2000:]
+    assert "the same item again right after" in r.stdout, r.stdout[-2000:]
+
+
+def test_zmq_hop_probe_runs():
+    """bench/probes/zmq_hop.py (what one control-plane round trip costs) keeps working: a pipe, a
+    plain socket and ZMQ over tcp, each side blocking or spinning."""
+    r = _probe("zmq_hop.py", "--n", "50", "--transport", "tcp")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("round trip p50") == 6, r.stdout[-2000:]
