@@ -154,6 +154,9 @@ def main() -> None:
             c_landed = time.perf_counter()
             # The control: the same item read again at once, into another slot (a hot READ; its
             # bytes stay where they are until the producer reserves the next item, after this).
+            # The first READ is settled first, as vLLM's worker does at the end of its step: else
+            # the second one's wait would do that work while its DMA runs.
+            ep.progress()
             t_again = time.perf_counter()
             second = ep.load(refs)
             barrier.wait(second, timeout=10)
