@@ -241,6 +241,22 @@ def hold_read_done(ep) -> Callable[[], int]:
     return deliver
 
 
+def refuse_session(ep, address: str, req: int) -> None:
+    """FAULT INJECTION: the producer at ``address`` answers request ``req`` of our ready link with
+    ``Refused UNKNOWN_SESSION`` (as one that dropped our session would); the link is lost."""
+    link = ep.links.find(address)
+    assert connection_state(ep, address) == "ready", link
+    ep.links._on_message(link, P.Refused(reason=P.Nack.UNKNOWN_SESSION.value, detail="injected", req=req))
+    assert _name(link.state) == "lost" and ep.links.find(address) is not link
+
+
+def unanswered_gets(ep, address: str) -> list[int]:
+    """The request ids of the Gets our link to ``address`` sent and has no Grant for yet."""
+    link = ep.links.find(address)
+    work = None if link is None else ep.loader._work.get(link)
+    return [] if work is None else list(work.by_req)
+
+
 def producer_pushes(ep) -> list[tuple[str, str]]:
     """The pushes a producer is working on, as (mm_hash, 'queued' | 'posted')."""
     return [(h, _name(st)) for h, st in ep.server.pusher.active()]

@@ -265,18 +265,6 @@ def test_consumer_whose_session_was_reclaimed_reconnects(procs, make_consumer, d
     assert got[0][1] == "landed" and got[0][3] == digest(make_item(9, (32, 32), "float32")), got
 
 
-def refuse_session(cons, address: str, req: int) -> None:
-    """**Fault injection**: the producer at ``address`` answers request ``req`` of our ready link
-    with ``Refused UNKNOWN_SESSION`` (as one that dropped our session would); the link is lost."""
-    from ec_nixl import protocol as P
-    from ec_nixl.states import LinkState
-
-    link = cons.links.find(address)
-    assert link.state is LinkState.READY, link
-    cons.links._on_message(link, P.Refused(reason=P.Nack.UNKNOWN_SESSION.value, detail="injected", req=req))
-    assert link.state is LinkState.LOST and cons.links.find(address) is not link
-
-
 def test_a_get_the_producer_dropped_unanswered_goes_out_once_more_on_a_new_connection(procs, make_consumer,
                                                                                        device):
     """The producer says it no longer knows our session while our Get is unanswered (what a
@@ -284,8 +272,7 @@ def test_a_get_the_producer_dropped_unanswered_goes_out_once_more_on_a_new_conne
     connection the producer already closed). The Refused is **injected** (a fault; the producer
     itself still serves): the Get goes out again on a new connection and the items land; a ticket
     is sent again once only, then fails naming the producer, and no slot leaks."""
-    from ec_nixl.states import LinkState
-    from helpers import check, fetch, refs_for
+    from helpers import check, connection_state, fetch, refs_for, refuse_session, unanswered_gets
 
     prod = procs(device=device)
     cons = make_consumer(mode="read", pool_bytes=SMALL)
@@ -296,8 +283,7 @@ def test_a_get_the_producer_dropped_unanswered_goes_out_once_more_on_a_new_conne
 
     def drop_session_under_the_get():
         """Our unthreaded consumer sent the Get and has not run since: its Grant is still unread."""
-        link = cons.links.find(prod.address)
-        reqs = list(cons.loader._work[link].by_req)
+        reqs = unanswered_gets(cons, prod.address)
         assert len(reqs) == 1, reqs
         refuse_session(cons, prod.address, reqs[0])
 
@@ -312,8 +298,8 @@ def test_a_get_the_producer_dropped_unanswered_goes_out_once_more_on_a_new_conne
     tickets = cons.load(refs)
     assert not any(t.resent for t in tickets), "each load may be sent again once"
     drop_session_under_the_get()
-    link = cons.links.find(prod.address)
-    assert cons.wait_for(lambda: link.state is LinkState.READY and bool(cons.loader._work[link].by_req), 10)
+    assert cons.wait_for(lambda: connection_state(cons, prod.address) == "ready"
+                         and bool(unanswered_gets(cons, prod.address)), 10)
     drop_session_under_the_get()
     assert all(t.reason == "PEER_LOST" and prod.address in t.error for t in tickets), tickets
     assert cons.metrics.counters["resent"] == 4
@@ -329,7 +315,7 @@ def test_a_hold_the_producer_dropped_unanswered_is_asked_once_more_on_a_new_conn
     published yet (**injected** Refused, as above); it is asked again on a new connection and
     answered once the item is published; dropped again, it fails UNREACHABLE naming the producer."""
     from ec_nixl.states import LinkState
-    from helpers import fetch, refs_for
+    from helpers import fetch, refs_for, refuse_session
 
     prod = procs(device=device)
     cons = make_consumer(mode="read", pool_bytes=SMALL)
