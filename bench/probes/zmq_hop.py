@@ -2,12 +2,14 @@
 """Probe: what one control-plane hop costs on this host, and how much of it is waking threads.
 
 Two processes ping-pong a 64-byte message over ZMQ (DEALER -> ROUTER, as an ec-nixl consumer
-talks to a producer) and over a plain pipe, N round trips each; the round trip's p50/p10 is
-printed. Each side either *blocks* (in ``zmq.Poller.poll`` / ``select``, as an idle owner loop
-does) or *spins* (non-blocking receive in a loop, as ``LoadBarrier.wait`` does on its READs).
-A ZMQ hop crosses up to three threads (the sender's ZMQ I/O thread, the receiver's ZMQ I/O thread,
-the receiver's own thread); a pipe hop crosses one, and so does a plain TCP socket's. If blocking costs far more than spinning,
-the hop's time is CPU wake-up (idle states, the scheduler), not the wire or our Python.
+talks to a producer), over a plain TCP socket and over a pipe, N round trips each; the round
+trip's p50/p10/p90 is printed. Each ZMQ side either *blocks* (in ``zmq.Poller.poll``, as an idle
+owner loop does) or *spins* (non-blocking receive in a loop, as ``LoadBarrier.wait`` does on its
+READs); a blocking client pauses ``PAUSE_S`` between round trips, a spinning one does not, so its
+rows also keep both sides warmer. A ZMQ hop crosses up to three threads (the sender's ZMQ I/O
+thread, the receiver's ZMQ I/O thread, the receiver's own thread); a pipe's or a plain socket's
+crosses one. If ZMQ costs far more than the socket, the hop's time is thread wake-ups (idle
+states, the scheduler), not the wire or our Python.
 
     python bench/probes/zmq_hop.py [--n 3000] [--transport tcp|ipc|both]
 """
@@ -23,6 +25,35 @@ import tempfile
 import time
 
 MSG = b"x" * 64
+PAUSE_S = 0.0002
+"""Sleep between round trips of a blocking client: the other side goes idle, as in real traffic.
+A spinning client does not pause (so the ZMQ rows where the client spins keep both sides warmer)."""
+
+
+def timed(n: int, round_trip, pause: float) -> list[float]:
+    """Seconds of ``n`` calls of ``round_trip``, ``pause`` apart; the first tenth (warm-up) dropped."""
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        round_trip()
+        out.append(time.perf_counter() - t0)
+        if pause:
+            time.sleep(pause)
+    return out[n // 10:]
+
+
+def _zmq_recv(sock, poller, spin: bool) -> list:
+    """One message's frames: a non-blocking receive in a loop (``spin``), or a poll then a receive."""
+    import zmq
+
+    if not spin:
+        poller.poll(1000)
+        return sock.recv_multipart()
+    while True:
+        try:
+            return sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
 
 def _zmq_echo(addr: str, spin: bool, ready, n: int) -> None:
@@ -35,17 +66,7 @@ def _zmq_echo(addr: str, spin: bool, ready, n: int) -> None:
     poller = zmq.Poller()
     poller.register(s, zmq.POLLIN)
     for _ in range(n):
-        if spin:
-            while True:
-                try:
-                    ident, msg = s.recv_multipart(zmq.NOBLOCK)
-                    break
-                except zmq.Again:
-                    pass
-        else:
-            poller.poll(1000)
-            ident, msg = s.recv_multipart()
-        s.send_multipart([ident, msg])
+        s.send_multipart(_zmq_recv(s, poller, spin))  # [identity, message] back to its sender
     ready.recv()
     s.close(0)
     ctx.term()
@@ -64,28 +85,17 @@ def zmq_rtt(addr: str, server_spin: bool, client_spin: bool, n: int) -> list[flo
     s.connect(endpoint)
     poller = zmq.Poller()
     poller.register(s, zmq.POLLIN)
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
+
+    def round_trip() -> None:
         s.send(MSG)
-        if client_spin:
-            while True:
-                try:
-                    s.recv(zmq.NOBLOCK)
-                    break
-                except zmq.Again:
-                    pass
-        else:
-            poller.poll(1000)
-            s.recv()
-        out.append(time.perf_counter() - t0)
-        if not client_spin:
-            time.sleep(0.0002)  # let the server side go idle between round trips, as real traffic does
+        _zmq_recv(s, poller, client_spin)
+
+    out = timed(n, round_trip, 0.0 if client_spin else PAUSE_S)
     a.send(None)
     p.join(10)
     s.close(0)
     zc.term()
-    return out[n // 10:]
+    return out
 
 
 def _pipe_echo(r: int, w: int, n: int) -> None:
@@ -100,16 +110,15 @@ def pipe_rtt(n: int) -> list[float]:
     ctx = mp.get_context("fork")
     p = ctx.Process(target=_pipe_echo, args=(r1, w2, n), daemon=True)
     p.start()
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
+
+    def round_trip() -> None:
         os.write(w1, MSG)
         select.select([r2], [], [])
         os.read(r2, 64)
-        out.append(time.perf_counter() - t0)
-        time.sleep(0.0002)
+
+    out = timed(n, round_trip, PAUSE_S)
     p.join(10)
-    return out[n // 10:]
+    return out
 
 
 def _sock_echo(port_conn, n: int) -> None:
@@ -137,19 +146,18 @@ def socket_rtt(n: int) -> list[float]:
     p.start()
     c = socket.create_connection(("127.0.0.1", a.recv()))
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
+
+    def round_trip() -> None:
         c.sendall(MSG)
         select.select([c], [], [])
         got = c.recv(64)
         while len(got) < len(MSG):
             got += c.recv(64)
-        out.append(time.perf_counter() - t0)
-        time.sleep(0.0002)
+
+    out = timed(n, round_trip, PAUSE_S)
     p.join(10)
     c.close()
-    return out[n // 10:]
+    return out
 
 
 def show(label: str, xs: list[float]) -> None:
