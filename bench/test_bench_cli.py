@@ -294,3 +294,24 @@ def test_zmq_hop_probe_runs():
     r = _probe("zmq_hop.py", "--n", "50", "--transport", "tcp")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("round trip p50") == 6, r.stdout[-2000:]
+
+
+def test_capi_post_probe_runs():
+    """bench/probes/capi_post.py (does a native post-and-poll loop over NIXL's C API pay?) keeps
+    working: two processes, real DRAM READs through the Python bindings and the C API (the C loop
+    only where a C compiler is found), the first READ's bytes checked against the source."""
+    r = _probe("capi_post.py", "--size", "64K", "--n", "20", "--rounds", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for case in ("py-make", "py-repost", "ctypes-make"):
+        assert f"\n{case} " in r.stdout, r.stdout[-2000:]
+    assert ("c-make " in r.stdout) != ("c-make, c-repost: SKIP" in r.stdout), r.stdout[-2000:]
+
+
+@pytest.mark.parametrize("extra", [[], ["--consumer-gpu", "idle", "--no-notify", "--producer-spins"]])
+def test_write_notify_probe_runs(extra):
+    """bench/probes/write_notify.py (the floor of a WRITE at publish: post -> the consumer sees
+    NIXL's notification) keeps working: two processes, real DRAM WRITEs, landed bytes checked."""
+    r = _probe("write_notify.py", "--size", "64K", "--n", "10", "--gap-ms", "0.5", *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "producer's DONE" in r.stdout and "reference copy" in r.stdout, r.stdout[-2000:]
+    assert ("notification seen" in r.stdout) == ("--no-notify" not in extra), r.stdout[-2000:]
