@@ -63,7 +63,7 @@ def producer(conn, device: str, nbytes: int, stride: int, spin: bool, notify: bo
             time.sleep(gap_s)
         t0 = time.perf_counter()
         h, st = me.post("WRITE", local, [i % SLOTS], remote, [i % SLOTS], f"{i}".encode() if notify else b"")
-        while st == "PROC":
+        while st == "PROC" and time.perf_counter() - t0 < TIMEOUT_S:
             st = me.status(h)
         t_done = time.perf_counter()
         me.agent.release_xfer_handle(h)
