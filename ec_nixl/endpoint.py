@@ -159,9 +159,16 @@ class Endpoint:
             raise ConfigError("this endpoint has no pool (pool_bytes=0): it can only hold/query")
         return self.loader
 
-    def load(self, refs: Iterable[ItemRef], timeout: Optional[float] = None) -> list[LoadTicket]:
-        """Start loading ``refs``; returns one ticket each at once (see ``LoadBarrier``)."""
-        return self._need_loader().load(refs, timeout)
+    def load(self, refs: Iterable[ItemRef], timeout: Optional[float] = None,
+             wait_s: float = 0.0) -> list[LoadTicket]:
+        """Start loading ``refs``; returns one ticket each at once (see ``LoadBarrier``).
+
+        ``wait_s`` > 0: items the producer has not published yet are expected, not MISSING: it
+        keeps the request up to ``wait_s`` (within ``timeout``; a producer caps it at
+        ``protocol.MAX_HOLD_WAIT_S``) and serves each item the moment it is published: on a WRITE
+        link its WRITE into our slot starts then, with no round trip after the publish; on a READ
+        link its grant comes then. (Refs whose place a Hold gave are published already.)"""
+        return self._need_loader().load(refs, timeout, wait_s)
 
     def cancel(self, tickets: list[LoadTicket], why: str = "cancelled by the caller") -> None:
         """Fail every still-pending ticket now (slots of possibly running DMAs go to quarantine)."""

@@ -45,7 +45,7 @@ from ec_nixl.metrics import Metrics
 from ec_nixl.pool import Pool
 from ec_nixl.read_lane import ReadLane
 from ec_nixl.states import LinkState, Phase
-from ec_nixl.tickets import ItemRef, LoadTicket
+from ec_nixl.tickets import ItemRef, LoadTicket, wait_left
 from ec_nixl.transport import Transport
 from ec_nixl.write_lane import WriteLane
 
@@ -82,15 +82,19 @@ class Loader:
 
     # --- public (any thread) ---------------------------------------------------------
 
-    def load(self, refs: Iterable[ItemRef], timeout: Optional[float] = None) -> list[LoadTicket]:
+    def load(self, refs: Iterable[ItemRef], timeout: Optional[float] = None,
+             wait_s: float = 0.0) -> list[LoadTicket]:
         """Start loading ``refs``; returns one ticket each at once (see ``LoadBarrier``).
 
         On the owner thread, items whose place a Hold gave travel the direct path: a whole step from
         one producer is posted before any ticket exists (``ReadLane.post_step``); otherwise such
         items get their slots and READ first (``ReadLane.post_held``). Everything else is
-        dispatched by ``_start``.
+        dispatched by ``_start``; its Get or Push lets the producer wait ``wait_s`` for items
+        not published yet (see ``Endpoint.load``).
         """
-        deadline = time.monotonic() + (timeout if timeout is not None else self.cfg.load_timeout_s)
+        now = time.monotonic()
+        deadline = now + (timeout if timeout is not None else self.cfg.load_timeout_s)
+        wait_until = min(deadline, now + wait_s) if wait_s > 0 else 0.0  # (NaN: no wait)
         refs = list(refs)
         if refs and self.loop.is_owner:
             tickets = self.reads.post_step(refs, deadline)  # a step of held items: posted first
@@ -100,6 +104,9 @@ class Loader:
                 return tickets
         pool = self.pool
         tickets = [LoadTicket(r, deadline, pool) for r in refs]
+        if wait_until:
+            for t in tickets:
+                t.wait_until = wait_until
         producers: set[str] = set()  # addresses checked in this call
         find = self.links.find
         for t in tickets:
@@ -223,7 +230,7 @@ class Loader:
                 req = self.links.next_req()
                 work.by_req[req] = batch
                 self.links.send(link, P.Get(session=link.session, req=req, mm_hashes=[t.mm_hash for t in batch],
-                                            reader=reader, readers=readers))
+                                            reader=reader, readers=readers, wait_s=wait_left(batch)))
             if work.push_queue:
                 self.writes.send(link, work)
 

@@ -35,7 +35,8 @@ COUNTERS = (
     "reserve_failures",  # producer: publishes/reserves that failed for space (PoolExhausted)
     "admitted",  # consumer scheduler: requests with remote items admitted
     "admission_steps",  # consumer scheduler: engine steps those requests waited from first sight
-    "holds_parked",  # producer: Holds that waited for items not published yet (Hold.wait_s)
+    "holds_parked",  # producer: Holds and Gets that waited for items not published yet (wait_s)
+    "pushes_parked",  # producer: Pushes that waited for items not published yet (Push.wait_s)
     "expected_items",  # consumer scheduler: items asked for before their encoder finished (ec_nixl_expect)
 )
 

@@ -162,13 +162,15 @@ MAX_HOLD_WAIT_S = 10.0
 
 
 class Get(msgspec.Struct, tag="get"):
-    """Grant me these items for a READ (pins them until my notification or the lease ends)."""
+    """Grant me these items for a READ (pins them until my notification or the lease ends).
+    ``wait_s`` as a Hold's: the Grant comes once all are ready, or after the wait."""
 
     session: str
     req: int
     mm_hashes: list[str]
     reader: int = 0
     readers: int = 1
+    wait_s: float = 0.0
 
 
 class Grant(msgspec.Struct, tag="grant"):
@@ -183,13 +185,20 @@ class PushItem(msgspec.Struct, frozen=True):
 
 
 class Push(msgspec.Struct, tag="push"):
-    """WRITE these items into my arena at the given blocks, then notify me."""
+    """WRITE these items into my arena at the given blocks, then notify me.
+
+    ``wait_s`` > 0: items not published yet are expected; each one's WRITE starts when it is
+    published (no round trip after the publish), and those still missing after ``wait_s``
+    (capped at ``MAX_HOLD_WAIT_S``) are refused MISSING. Until then the blocks are the
+    producer's to write: the consumer takes them back only through a Cancel and its CancelAck.
+    Producers that predate the field refuse the missing items at once (MISSING)."""
 
     session: str
     req: int
     items: list[PushItem]
     reader: int = 0
     readers: int = 1
+    wait_s: float = 0.0
 
 
 class PushFailed(msgspec.Struct, tag="push_failed"):

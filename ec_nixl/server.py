@@ -10,10 +10,12 @@ them (we WRITE into its slots: see ``pusher``), ``Cancel`` pushes, read ``Stats`
 who may do what with them. One bad request is refused with its reason and never takes the
 server down.
 
-A Hold that may wait (``wait_s``: the consumer got the request before our encoder finished it)
-is parked while any of its items is missing or still being written, and answered the moment the
-last one is published and ready (a publish wakes the loop) or when its wait runs out: the
-consumer's READ starts as soon as the bytes exist, with no polling between.
+A Hold or Get that may wait (``wait_s``: the consumer got the request before our encoder
+finished it) is parked while any of its items is missing or still being written, and answered
+the moment the last one is published and ready (a publish wakes the loop) or when its wait runs
+out: the consumer's READ starts as soon as the bytes exist, with no polling between. A Push that
+may wait is parked for its items not published yet, and its WRITEs start at their publish (no
+round trip after it); a Cancel takes a parked push out before it ever writes.
 
 A consumer that goes away loses its sessions within a bounded time: ZMQ pings every connection
 from its own I/O thread (``handshake.keep_alive``) and drops one that answers nothing for
@@ -31,6 +33,7 @@ import secrets
 import time
 from typing import Callable, Optional
 
+import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -48,7 +51,7 @@ from ec_nixl.transport import Transport
 logger = logging.getLogger("ec_nixl")
 
 _MAX_HELLO_NONCES = 1 << 16  # handshakes remembered against replay
-_MAX_PARKED = 4096  # waiting Holds kept at once; beyond that a Hold is answered at once
+_MAX_PARKED = 4096  # waiting requests kept at once; beyond that one is answered at once
 _PROBES_S = (0.0, 0.02, 0.1, 0.5, 2.0)
 """When to probe a consumer after its connection dropped: ZMQ removes the route a little later."""
 
@@ -60,6 +63,12 @@ def _readers(msg) -> int:
 
 def _all_ready(items: list[P.ItemState]) -> bool:
     return all(st.status == "ready" for st in items)
+
+
+def _wait_of(msg) -> float:
+    """How long a request may wait for its items, bounded (0 for none, NaN or negative)."""
+    wait = float(getattr(msg, "wait_s", 0.0) or 0.0)
+    return min(wait, P.MAX_HOLD_WAIT_S) if wait > 0 else 0.0
 
 
 class Server:
@@ -82,7 +91,7 @@ class Server:
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._fd_of: dict[bytes, int] = {}  # consumer identity -> connection its last request came on
         self._suspects: dict[bytes, list[float]] = {}  # identity -> when to probe it (connection dropped)
-        self._parked: list[tuple[float, bytes, str, P.Hold]] = []  # (deadline, identity, session, Hold)
+        self._parked: list[tuple[float, bytes, str, P.Hold | P.Get | P.Push]] = []  # (deadline, identity, session, request)
         try:
             if port == 0:
                 port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -244,17 +253,18 @@ class Server:
     def _on_hold_or_get(self, identity: bytes, s: Session, msg) -> None:
         items = self._table().grant(s.id, s.group, msg.mm_hashes, _readers(msg), getattr(msg, "reader", 0),
                                     pin=isinstance(msg, P.Get))
-        wait = float(getattr(msg, "wait_s", 0.0) or 0.0)
+        wait = _wait_of(msg)
         if wait > 0 and len(self._parked) < _MAX_PARKED and not _all_ready(items):
-            self._parked.append((time.monotonic() + min(wait, P.MAX_HOLD_WAIT_S), identity, s.id, msg))
+            self._parked.append((time.monotonic() + wait, identity, s.id, msg))
             self.metrics.count("holds_parked")
             return
         self.reply(identity, P.Grant(req=msg.req, items=items))
 
     def answer_parked(self, now: Optional[float] = None) -> None:
-        """Answer the waiting Holds whose items are all ready now, or whose wait ran out (on
-        every publish and every tick). A Hold whose session ended is dropped unanswered: its
-        consumer's link is gone with it."""
+        """Answer the waiting Holds and Gets whose items are all ready now, or whose wait ran out,
+        and start the waiting pushes whose items were published (on every publish and every
+        tick). A request whose session ended is dropped unanswered: its consumer's link is gone
+        with it."""
         if not self._parked:
             return
         now = time.monotonic() if now is None else now
@@ -263,7 +273,13 @@ class Server:
             s = self._sessions.get(sid)
             if s is None or s.identity != identity:
                 continue
-            items = self._table().grant(s.id, s.group, msg.mm_hashes, _readers(msg), 0, pin=False)
+            if isinstance(msg, P.Push):
+                rest = self._push(identity, s, msg, park=now < deadline)
+                if rest is not None:
+                    keep.append((deadline, identity, sid, rest))
+                continue
+            items = self._table().grant(s.id, s.group, msg.mm_hashes, _readers(msg), getattr(msg, "reader", 0),
+                                        pin=isinstance(msg, P.Get))
             if now < deadline and not _all_ready(items):
                 keep.append((deadline, identity, sid, msg))
                 continue
@@ -273,15 +289,45 @@ class Server:
     def _on_push(self, identity: bytes, s: Session, msg: P.Push) -> None:
         if s.peer is None or self.pusher is None:
             raise ProtocolError("a control-only session cannot receive pushes")
+        wait = _wait_of(msg)
+        rest = self._push(identity, s, msg, park=wait > 0 and len(self._parked) < _MAX_PARKED)
+        if rest is not None:
+            self._parked.append((time.monotonic() + wait, identity, s.id, rest))
+            self.metrics.count("pushes_parked")
+
+    def _push(self, identity: bytes, s: Session, msg: P.Push, park: bool) -> Optional[P.Push]:
+        """Start the pushes of ``msg`` whose items exist and refuse the ones that cannot be
+        pushed; with ``park``, items not published yet are not refused but returned (as the
+        Push to keep waiting), else None."""
         accepted, failed = self._table().claim_pushes(s.id, s.group, s.arena, msg)
+        rest = None
+        if park:
+            missing = {st.mm_hash for st in failed if st.status == P.Nack.MISSING.value}
+            if missing:
+                rest = msgspec.structs.replace(msg, items=[it for it in msg.items if it.mm_hash in missing])
+                failed = [st for st in failed if st.mm_hash not in missing]
         if failed:
             self.reply(identity, P.PushFailed(req=msg.req, items=failed))
         self.pusher.add(accepted)
+        return rest
 
     def _on_cancel(self, identity: bytes, s: Session, msg: P.Cancel) -> None:
+        self._unpark_pushes(s.id, set(msg.mm_hashes))  # first: a parked push must never write later
         running = self.pusher.still_running if self.pusher is not None else (lambda p: False)
         safe, in_flight = self._table().cancel_pushes(s.id, msg.mm_hashes, running)
         self.reply(identity, P.CancelAck(req=msg.req, safe=safe, in_flight=in_flight))
+
+    def _unpark_pushes(self, sid: str, mm_hashes: set[str]) -> None:
+        """Take ``mm_hashes`` out of session ``sid``'s parked pushes (nothing of them was written)."""
+        keep = []
+        for deadline, identity, psid, msg in self._parked:
+            if psid == sid and isinstance(msg, P.Push):
+                items = [it for it in msg.items if it.mm_hash not in mm_hashes]
+                if not items:
+                    continue
+                msg = msgspec.structs.replace(msg, items=items)
+            keep.append((deadline, identity, psid, msg))
+        self._parked = keep
 
     # --- consumers that went away ----------------------------------------------------
 

@@ -63,7 +63,7 @@ class LoadTicket:
 
     __slots__ = ("ref", "slot", "state", "phase", "error", "reason", "retryable", "deadline",
                  "t_start", "t_post", "t_done", "xfer", "retry_at", "mode", "_pool", "released", "event", "_view",
-                 "resent")
+                 "resent", "wait_until")
 
     def __init__(self, ref: ItemRef, deadline: float, pool: "Pool"):
         self.ref = ref
@@ -85,6 +85,7 @@ class LoadTicket:
         self.event = None  # a CUDA event, when the bytes became visible through stream work
         self._view: Optional[torch.Tensor] = None
         self.resent = False  # its Get went out again on a new connection (once at most)
+        self.wait_until = 0.0  # monotonic: the producer may wait for the item until then (load's wait_s)
 
     @property
     def mm_hash(self) -> str:
@@ -151,3 +152,10 @@ class LoadTicket:
 
     def __repr__(self) -> str:
         return f"LoadTicket({self.mm_hash!r}, {self.state}/{self.phase}{', ' + self.error if self.error else ''})"
+
+
+def wait_left(tickets: list[LoadTicket]) -> float:
+    """How long a Get or Push of ``tickets`` may let the producer wait for items not published
+    yet: the longest of their waits still left (0: none asked, or all ran out)."""
+    until = max(t.wait_until for t in tickets)
+    return max(0.0, until - time.monotonic()) if until else 0.0

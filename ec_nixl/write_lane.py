@@ -17,7 +17,7 @@ from ec_nixl.load_failures import RETRYABLE, Failures
 from ec_nixl.loop import OwnerLoop
 from ec_nixl.metrics import Metrics
 from ec_nixl.pool import Pool
-from ec_nixl.tickets import LoadTicket
+from ec_nixl.tickets import LoadTicket, wait_left
 
 class WriteLane:
     """Pushes asked of producers and their outcomes (owner thread)."""
@@ -36,7 +36,7 @@ class WriteLane:
                 work.pushed[t.mm_hash] = t
                 t.t_post = time.perf_counter()
             self.links.send(link, P.Push(session=link.session, req=self.links.next_req(), reader=reader,
-                                         readers=readers,
+                                         readers=readers, wait_s=wait_left(batch),
                                          items=[P.PushItem(mm_hash=t.mm_hash, block=t.slot.block,
                                                            nbytes=t.ref.desc.nbytes) for t in batch]))
 

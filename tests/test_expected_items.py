@@ -1,17 +1,23 @@
-"""A consumer that asks for items before they exist: Holds that wait (``protocol.Hold.wait_s``).
+"""A consumer that asks for items before they exist: Holds, Gets and Pushes that wait (``wait_s``).
 
 This is what lets a proxy send a request to prefill/decode while the encoder still runs it: the
 consumer's Hold is parked at the producer and answered the moment the item is published, so its
-READ starts as soon as the bytes exist. Real producer processes, real NIXL reads; the tests
-order events by the producer's own counters, never by sleeps.
+READ starts as soon as the bytes exist. A load may wait the same way (``Endpoint.load(wait_s=)``):
+its Get is granted at the publish, and on a WRITE link its Push is parked and the WRITE into the
+consumer's slot starts at the publish, with no round trip after it. Real producer processes, real
+NIXL transfers; the tests order events by the producer's own counters, never by sleeps.
 """
 
 from __future__ import annotations
 
 import time
 
+import pytest
+
 from ec_nixl import protocol as P
-from helpers import fetch
+from ec_nixl.barrier import LoadBarrier, LoadFailed
+from ec_nixl.tickets import ItemRef
+from helpers import check, desc_of, fetch, landed, ticket_slot, wait_until
 from peers import ProducerProcess
 
 SPEC = ("late-item", (64, 256), "bfloat16", 11)
@@ -21,10 +27,10 @@ def _parked(prod) -> int:
     return prod.call("stats")["counters"].get("holds_parked", 0)
 
 
-def _wait_parked(prod, n: int, timeout: float = 20.0) -> None:
+def _wait_parked(prod, n: int, timeout: float = 20.0, what: str = "holds_parked") -> None:
     deadline = time.monotonic() + timeout
-    while _parked(prod) < n:
-        assert time.monotonic() < deadline, f"the producer never parked {n} Hold(s)"
+    while prod.call("stats")["counters"].get(what, 0) < n:
+        assert time.monotonic() < deadline, f"the producer never parked {n} request(s) ({what})"
         time.sleep(0.01)
 
 
@@ -99,6 +105,72 @@ def test_a_consumer_that_leaves_while_its_hold_waits_costs_the_producer_nothing(
     cons = make_consumer(threaded=True)
     states = cons.hold(prod.address, [SPEC[0]], timeout=5.0)
     assert states[SPEC[0]].status == "ready", states
+
+
+def _expected(spec) -> ItemRef:
+    return desc_of(spec[0], spec[1], spec[2])
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_load_that_waits_lands_when_the_item_is_published(make_peer, make_consumer, device, mode):
+    """A load of an item not published yet (``wait_s``): its Get (READ link) or its Push (WRITE
+    link: the producer WRITEs at the publish) waits at the producer; the item lands after the
+    publish, long before the wait runs out, with the producer's bytes."""
+    prod = make_peer(ProducerProcess)
+    cons = make_consumer(threaded=True, mode=mode)
+    tickets = cons.load([ItemRef(desc=_expected(SPEC), producer=prod.address)], timeout=20.0, wait_s=8.0)
+    _wait_parked(prod, 1, what="pushes_parked" if mode == "write" else "holds_parked")
+    assert not tickets[0].done, tickets
+    t_pub = time.monotonic()
+    prod.call("publish", [SPEC])
+    out = LoadBarrier(cons).wait(tickets, timeout=15.0)
+    assert time.monotonic() - t_pub < 4.0, "landed at the end of its wait, not at the publish"
+    check(out, [SPEC], device)
+    tickets[0].release()
+
+
+def test_a_waiting_push_for_an_item_never_published_fails_missing_after_its_wait(make_peer, make_consumer,
+                                                                                  device):
+    """The wait is kept, and bounded: MISSING then (as without a wait), and the slot goes back
+    (the producer said no WRITE will touch it)."""
+    prod = make_peer(ProducerProcess)
+    cons = make_consumer(threaded=True, mode="write")
+    t0 = time.monotonic()
+    tickets = cons.load([ItemRef(desc=_expected(SPEC), producer=prod.address)], timeout=20.0, wait_s=0.6)
+    with pytest.raises(LoadFailed, match="MISSING"):
+        LoadBarrier(cons).wait(tickets, timeout=15.0)
+    took = time.monotonic() - t0
+    assert 0.55 <= took < 5.0, f"failed after {took:.2f}s: its wait was not kept, or not bounded"
+    assert tickets[0].reason == P.Nack.MISSING.value, tickets
+    assert wait_until(lambda: cons.pool.stats().used == 0, 5.0), cons.pool.stats()
+
+
+def test_a_cancelled_waiting_push_never_writes_the_slot_it_gave_back(make_peer, make_consumer, device):
+    """A Cancel takes a parked push out: its CancelAck frees the slot, and the publish that
+    follows writes nothing there (the arena keeps its poison), while a second parked push,
+    published in the same call, still lands."""
+    prod = make_peer(ProducerProcess)
+    cons = make_consumer(threaded=True, mode="write")
+    other = ("second-item", (64, 256), "bfloat16", 13)
+    gone = cons.load([ItemRef(desc=_expected(SPEC), producer=prod.address)], timeout=20.0, wait_s=8.0)
+    _wait_parked(prod, 1, what="pushes_parked")
+    slot = ticket_slot(gone[0])
+    at, n = slot.block * cons.pool.block_size, slot.nbytes
+    cons.cancel(gone, "the request was aborted")
+    assert gone[0].state.value == "failed", gone
+    # The CancelAck says the producer will never write it: the slot is free again.
+    assert wait_until(lambda: cons.pool.stats().used == 0, 5.0), cons.pool.stats()
+    # Its blocks stay ours (untouched) while the second push, elsewhere, lands.
+    blocker = cons.pool.allocate(n, tag="blocker")
+    assert blocker.block == slot.block, (blocker, slot)
+    kept = cons.load([ItemRef(desc=_expected(other), producer=prod.address)], timeout=20.0, wait_s=8.0)
+    _wait_parked(prod, 2, what="pushes_parked")
+    prod.call("publish", [SPEC, other])  # one publish: both parked pushes are looked at in one pass
+    check(LoadBarrier(cons).wait(kept, timeout=15.0), [other], device)
+    assert bool((cons.pool.arena.bytes[at : at + n] == 0xAB).all()), \
+        "the cancelled push was written after its CancelAck"
+    assert not landed(gone[0])
+    cons.pool.release(blocker)
 
 
 def test_expect_params_are_checked_like_any_other_input():
