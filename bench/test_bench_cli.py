@@ -49,7 +49,7 @@ def test_bare_install_runs_the_main_job(tmp_path):
     doc = json.loads(out_json.read_text())
     got = {(x["path"], x["items"]) for x in doc["results"]}
     for path in ("ours-read", "ours-write", "raw-nixl-read", "raw-nixl-write", "reference-copy", "staged-write",
-                 "publish-landed", "expect-landed"):
+                 "publish-landed", "expect-landed", "expect-write"):
         assert (path, 1) in got and (path, 2) in got, (path, sorted(got))
     assert all(x["p50_us"] > 0 for x in doc["results"])
     assert doc["cpu"]["source"] == "/proc"  # psutil hidden: read from /proc

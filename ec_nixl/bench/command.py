@@ -72,7 +72,7 @@ def parser() -> argparse.ArgumentParser:
                         "8 bytes (default), or all of it (a digest per item, untimed; for tests)")
     p.add_argument("--producer", default=None, metavar="HOST:PORT",
                    help="run the consumer side only, against `ec-nixl bench producer` at HOST:PORT (another host); "
-                        "paths that need one host (reference-copy, file, publish-landed, expect-landed, ucx) are "
+                        "paths that need one host (reference-copy, file, publish-landed, expect-landed, expect-write, ucx) are "
                         "skipped")
     return p
 

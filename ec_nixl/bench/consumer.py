@@ -52,7 +52,8 @@ class Consumer:
                       peer_timeout_s=30.0, backend_params=cfg.get("backend_params") or {},
                       nixl_progress_thread=cfg.get("nixl_progress_thread"))
         links = {"read": ("ours-read" in paths or "publish-landed" in paths or "expect-landed" in paths or cfg["barrier"], self.device, "read"),
-                 "write": ("ours-write" in paths or "staged-write" in paths, self.device, "write"),
+                 "write": ("ours-write" in paths or "staged-write" in paths or "expect-write" in paths, self.device,
+                           "write"),
                  "host": (self.cuda and "host-bounce" in paths, "cpu", "read")}
         self.eps: dict[str, Any] = {
             k: Endpoint(EndpointConfig(name=f"ecb-cons-{k[0]}-{pid}", device=dev, mode=mode, **common))

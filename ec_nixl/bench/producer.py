@@ -136,8 +136,8 @@ class Producer:
     def publish_staged(self, group: str) -> tuple:
         return ours.publish_staged(self, group)
 
-    def publish_when_parked(self, group: str, parked: int) -> tuple:
-        return ours.publish_when_parked(self, group, parked)
+    def publish_when_parked(self, group: str, parked: int, counter: str = "holds_parked") -> tuple:
+        return ours.publish_when_parked(self, group, parked, counter)
 
     def stats(self) -> dict:
         out = {"dev": self.ep.stats()}

@@ -39,6 +39,7 @@ LOCAL_ONLY = {
     "file": "needs a file system both processes see (one host only)",
     "publish-landed": "timed on a clock both processes share (one host only)",
     "expect-landed": "timed on a clock both processes share (one host only)",
+    "expect-write": "timed on a clock both processes share (one host only)",
     "ucx": "checks its bytes against the producer's memory mapped here (one host only)",
 }
 

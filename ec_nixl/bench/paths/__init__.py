@@ -1,7 +1,8 @@
 """Every path the bench times, one module per family, and the producer-side stage of each.
 
 =================  ==========================================================================
-``ours``           ours-read, ours-write, staged-write, publish-landed, expect-landed (ec-nixl's API),
+``ours``           ours-read, ours-write, staged-write, publish-landed, expect-landed, expect-write
+                   (ec-nixl's API),
                    landed barrier
 ``raw_nixl``       raw-nixl-read, raw-nixl-write: plain NIXL between the same processes (floor)
 ``reference``      reference-copy (CUDA-IPC copy / cross-process memcpy), copy bandwidth
@@ -22,7 +23,7 @@ PATHS: dict[str, type[Path]] = {
     p.name: p
     for p in (ours.OursRead, ours.OursWrite, raw_nixl.RawNixlRead, raw_nixl.RawNixlWrite, reference.ReferenceCopy,
               host_bounce.HostBounce, file.File, ours.StagedWrite, ours.PublishLanded,
-              ours.ExpectLanded, ucx.Ucx)
+              ours.ExpectLanded, ours.ExpectWrite, ucx.Ucx)
 }
 ALL_PATHS = tuple(PATHS)  # also the order of rows within a size in the report
 

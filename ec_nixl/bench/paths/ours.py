@@ -8,6 +8,8 @@ landed-barrier case.
                   announcement and the Hold round trip in between (see ``PublishLanded``).
 ``expect-landed`` the same hand-off in the overlapped flow: the consumer's Hold is already waiting
                   at the producer when it publishes (see ``ExpectLanded``).
+``expect-write``  the same on a write-mode link: the consumer's load (``wait_s``) is waiting at the
+                  producer, which WRITEs into its slots at the publish (see ``ExpectWrite``).
 ``staged-write``  ECMooncakeConnector-style: ``publish()`` of a tensor outside the pool (a staging
                   copy into the registered pool, + synchronize), then the same WRITE; the sample is
                   the producer's stage time plus the consumer's load time (back to back).
@@ -140,7 +142,7 @@ class ExpectLanded(PublishLanded):
 
         group, probes, hashes = payload
         c = self.c
-        ep, barrier, addr = c.eps[self.ep_key], c.barriers[self.ep_key], c.info["address"]
+        ep, addr = c.eps[self.ep_key], c.info["address"]
         nbytes, shape, dtype = self.spec_tuple()
         expected = [ItemDesc(mm_hash=h, shape=list(shape), dtype=dtype, nbytes=nbytes) for h in hashes]
         self.parked = getattr(self, "parked", 0) + 1
@@ -156,6 +158,14 @@ class ExpectLanded(PublishLanded):
             refs.append(ItemRef(desc=d, producer=addr, block=s.block, valid_until=now + s.lease_s - 1,
                                 incarnation=hold.incarnation))
         tickets = ep.load(refs)
+        return self._landed(tickets, refs, probes, expected)
+
+    def _landed(self, tickets, refs, probes, expected) -> float:
+        """The barrier, then the publish's reply (when it began; what it published)."""
+        from ec_nixl.bench import proc
+
+        c = self.c
+        ep, barrier = c.eps[self.ep_key], c.barriers[self.ep_key]
         out = barrier.wait(tickets, timeout=60)
         t_landed = time.perf_counter()
         t_publish, descs = proc.reply(c.prod, "publish_when_parked", 60)
@@ -163,6 +173,33 @@ class ExpectLanded(PublishLanded):
             raise RuntimeError(f"the producer published {descs[0]}, the consumer expected {expected[0]}")
         self.end_step(ep, tickets, refs, probes, out)
         return t_landed - t_publish
+
+
+class ExpectWrite(ExpectLanded):
+    """``expect-write``: publish -> landed when the consumer asked first, on a write-mode link:
+    its ``load(wait_s=)`` sends a Push naming its slots, parked at the producer (seen parked
+    before the timed publish), and the producer posts the WRITEs from the publish itself; the
+    barrier returns on their notifications. No control message travels after the publish:
+    issue 25's WRITE at publish, with the slot given per item ahead of it."""
+
+    name = "expect-write"
+    ep_key = "write"
+
+    def op(self, payload) -> float:
+        from ec_nixl import ItemRef
+        from ec_nixl.bench import proc
+        from ec_nixl.protocol import ItemDesc
+
+        group, probes, hashes = payload
+        c = self.c
+        ep, addr = c.eps[self.ep_key], c.info["address"]
+        nbytes, shape, dtype = self.spec_tuple()
+        expected = [ItemDesc(mm_hash=h, shape=list(shape), dtype=dtype, nbytes=nbytes) for h in hashes]
+        refs = [ItemRef(desc=d, producer=addr) for d in expected]
+        self.parked = getattr(self, "parked", 0) + 1
+        tickets = ep.load(refs, timeout=60, wait_s=10)
+        proc.send(c.prod, "publish_when_parked", group, self.parked, "pushes_parked")
+        return self._landed(tickets, refs, probes, expected)
 
 
 # --- producer side: how the items of these paths come to be -------------------------------------
@@ -213,12 +250,14 @@ def stage_unpublished(prod, tag: str, spec: tuple, n_ops: int, per_op: int) -> l
     return out
 
 
-def publish_when_parked(prod, group: str, parked: int, timeout: float = 30.0) -> tuple[float, list]:
-    """``publish_staged`` once this producer has parked ``parked`` waiting Holds in all (untimed)."""
+def publish_when_parked(prod, group: str, parked: int, counter: str = "holds_parked",
+                        timeout: float = 30.0) -> tuple[float, list]:
+    """``publish_staged`` once this producer has parked ``parked`` waiting requests in all
+    (``counter``: Holds, or Pushes; untimed)."""
     deadline = time.monotonic() + timeout
-    while prod.ep.metrics.counters.get("holds_parked", 0) < parked:  # (not stats(): it copies every sample)
+    while prod.ep.metrics.counters.get(counter, 0) < parked:  # (not stats(): it copies every sample)
         if time.monotonic() > deadline:
-            raise RuntimeError(f"no waiting Hold reached the producer in {timeout:.0f}s")
+            raise RuntimeError(f"no waiting request ({counter}) reached the producer in {timeout:.0f}s")
         time.sleep(0.0002)
     return publish_staged(prod, group)
 
