@@ -137,17 +137,12 @@ class ExpectLanded(PublishLanded):
 
     def op(self, payload) -> float:
         from ec_nixl import ItemRef
-        from ec_nixl.protocol import ItemDesc
         from ec_nixl.bench import proc
 
         group, probes, hashes = payload
-        c = self.c
-        ep, addr = c.eps[self.ep_key], c.info["address"]
-        nbytes, shape, dtype = self.spec_tuple()
-        expected = [ItemDesc(mm_hash=h, shape=list(shape), dtype=dtype, nbytes=nbytes) for h in hashes]
-        self.parked = getattr(self, "parked", 0) + 1
+        ep, addr, expected = self._expect(hashes)
         hold = ep.hold_async(addr, hashes, timeout=30, wait_s=10)
-        proc.send(c.prod, "publish_when_parked", group, self.parked)
+        proc.send(self.c.prod, "publish_when_parked", group, self.parked)
         if not ep.wait_for(lambda: hold.done, 30):
             raise RuntimeError(f"the waiting Hold of {hashes[0]} was not answered after the publish")
         refs, now = [], time.time()
@@ -159,6 +154,16 @@ class ExpectLanded(PublishLanded):
                                 incarnation=hold.incarnation))
         tickets = ep.load(refs)
         return self._landed(tickets, refs, probes, expected)
+
+    def _expect(self, hashes: list[str]) -> tuple:
+        """(endpoint, producer address, the descriptions the consumer expects of ``hashes``), and
+        one more request counted as parked (the producer publishes once it saw it parked)."""
+        from ec_nixl.protocol import ItemDesc
+
+        nbytes, shape, dtype = self.spec_tuple()
+        self.parked = getattr(self, "parked", 0) + 1
+        return self.c.eps[self.ep_key], self.c.info["address"], [
+            ItemDesc(mm_hash=h, shape=list(shape), dtype=dtype, nbytes=nbytes) for h in hashes]
 
     def _landed(self, tickets, refs, probes, expected) -> float:
         """The barrier, then the publish's reply (when it began; what it published)."""
@@ -188,17 +193,12 @@ class ExpectWrite(ExpectLanded):
     def op(self, payload) -> float:
         from ec_nixl import ItemRef
         from ec_nixl.bench import proc
-        from ec_nixl.protocol import ItemDesc
 
         group, probes, hashes = payload
-        c = self.c
-        ep, addr = c.eps[self.ep_key], c.info["address"]
-        nbytes, shape, dtype = self.spec_tuple()
-        expected = [ItemDesc(mm_hash=h, shape=list(shape), dtype=dtype, nbytes=nbytes) for h in hashes]
+        ep, addr, expected = self._expect(hashes)
         refs = [ItemRef(desc=d, producer=addr) for d in expected]
-        self.parked = getattr(self, "parked", 0) + 1
         tickets = ep.load(refs, timeout=60, wait_s=10)
-        proc.send(c.prod, "publish_when_parked", group, self.parked, "pushes_parked")
+        proc.send(self.c.prod, "publish_when_parked", group, self.parked, "pushes_parked")
         return self._landed(tickets, refs, probes, expected)
 
 
