@@ -15,7 +15,8 @@ import time
 import pytest
 
 from ec_nixl import protocol as P
-from ec_nixl.barrier import LoadBarrier, LoadFailed
+from ec_nixl.barrier import LoadBarrier
+from ec_nixl.errors import LoadFailed
 from ec_nixl.tickets import ItemRef
 from helpers import check, desc_of, fetch, landed, ticket_slot, wait_until
 from peers import ProducerProcess
