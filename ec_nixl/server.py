@@ -91,7 +91,8 @@ class Server:
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._fd_of: dict[bytes, int] = {}  # consumer identity -> connection its last request came on
         self._suspects: dict[bytes, list[float]] = {}  # identity -> when to probe it (connection dropped)
-        self._parked: list[tuple[float, bytes, str, P.Hold | P.Get | P.Push]] = []  # (deadline, identity, session, request)
+        # (deadline, identity, session, request): Holds, Gets and Pushes waiting for their items
+        self._parked: list[tuple[float, bytes, str, P.Hold | P.Get | P.Push]] = []
         try:
             if port == 0:
                 port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -250,9 +251,14 @@ class Server:
             raise ProtocolError(f"{self.cfg.name} serves no items (it has no pool)")
         return self.published
 
+    def _grant(self, s: Session, msg: P.Hold | P.Get) -> list[P.ItemState]:
+        """Where ``msg``'s items are (a Hold: under lease; a Get: pinned for its READ), now: on
+        arrival and again while it is parked."""
+        return self._table().grant(s.id, s.group, msg.mm_hashes, _readers(msg), getattr(msg, "reader", 0),
+                                   pin=isinstance(msg, P.Get))
+
     def _on_hold_or_get(self, identity: bytes, s: Session, msg) -> None:
-        items = self._table().grant(s.id, s.group, msg.mm_hashes, _readers(msg), getattr(msg, "reader", 0),
-                                    pin=isinstance(msg, P.Get))
+        items = self._grant(s, msg)
         wait = _wait_of(msg)
         if wait > 0 and len(self._parked) < _MAX_PARKED and not _all_ready(items):
             self._parked.append((time.monotonic() + wait, identity, s.id, msg))
@@ -278,8 +284,7 @@ class Server:
                 if rest is not None:
                     keep.append((deadline, identity, sid, rest))
                 continue
-            items = self._table().grant(s.id, s.group, msg.mm_hashes, _readers(msg), getattr(msg, "reader", 0),
-                                        pin=isinstance(msg, P.Get))
+            items = self._grant(s, msg)
             if now < deadline and not _all_ready(items):
                 keep.append((deadline, identity, sid, msg))
                 continue
