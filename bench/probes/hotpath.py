@@ -43,12 +43,15 @@ def bare_read(ep, refs) -> float:
 
 
 POSTED: list[float] = []  # --python-only: when each post happened (the DMA would start there)
+SEEN_DONE: list[float] = []  # --python-only: when a poll first reported a fake request DONE
 
 
-def fake_nixl_after(warm_posts: int = 20) -> None:
+def fake_nixl_after(warm_posts: int = 20, dma_s: float = 0.0) -> None:
     """``--python-only``: after ``warm_posts`` real posts, Transport's post/poll/release become
-    instant fakes (a request is DONE at its first poll, nothing moves), so an operation's time is
-    ec-nixl's own Python: a steady number to cut, free of DMA and NIXL noise. Not a transfer."""
+    fakes: a request is DONE at its first poll ``dma_s`` after its post (``--fake-dma-us``: the
+    DMA's time, during which ec-nixl's bookkeeping after the post overlaps it), nothing moves.
+    So an operation's time is ec-nixl's own Python: a steady number to cut, free of DMA and NIXL
+    noise, and with ``dma_s`` what of it stands outside the DMA. Not a transfer."""
     import ec_nixl.transport as T
 
     post, finished, release, telemetry = (T.Transport.post_many, T.Transport.finished, T.Transport.release,
@@ -63,9 +66,12 @@ def fake_nixl_after(warm_posts: int = 20) -> None:
         return T.Xfer(None, op, peer.name, sum(r[2] for r in ranges) * self.block_size, "PROC")
 
     def fake_finished(self, xfers):
-        fake = [x for x in xfers if x.handle is None]
+        now = time.perf_counter()
+        fake = [x for x in xfers if x.handle is None and now >= POSTED[-1] + dma_s]
         for x in fake:
             x.state = "DONE"
+        if fake:
+            SEEN_DONE.append(now)
         real = [x for x in xfers if x.handle is not None]
         return fake + (finished(self, real) if real else [])
 
@@ -99,11 +105,14 @@ def main() -> None:
                     "regular expression called (pstats print_callees)")
     ap.add_argument("--python-only", action="store_true",
                     help="after warm-up, NIXL's post and poll are instant fakes: time ec-nixl's own Python only")
+    ap.add_argument("--fake-dma-us", type=float, default=0.0,
+                    help="with --python-only: a fake request is DONE this long after its post (what of "
+                         "ec-nixl's Python stands outside the DMA: until the post, and after DONE)")
     a = ap.parse_args()
     if a.python_only:
         if a.check or a.floor:
             ap.error("--python-only moves no bytes: no --check or --floor")
-        fake_nixl_after()
+        fake_nixl_after(dma_s=a.fake_dma_us * 1e-6)
 
     import torch
 
@@ -132,6 +141,7 @@ def main() -> None:
     times: list[float] = []
     loads: list[float] = []  # load() alone: everything before (and including) the post
     to_post: list[float] = []  # --python-only: load() called -> the post (the critical path before the DMA)
+    tail: list[float] = []  # --python-only: DONE first seen -> the barrier returned (the critical path after it)
     floor: list[float] = []
     ring: list = []
     try:
@@ -165,6 +175,8 @@ def main() -> None:
                     loads.append(t1 - t0)
                     if POSTED and POSTED[-1] > t0:
                         to_post.append(POSTED[-1] - t0)
+                    if SEEN_DONE and SEEN_DONE[-1] > t0:
+                        tail.append(t0 + dt - SEEN_DONE[-1])
                     if a.floor and a.mode == "read":
                         floor.append(bare_read(ep, op))
                 done += 1
@@ -175,7 +187,8 @@ def main() -> None:
     print(f"{a.device} {a.mode} {a.size} x{a.items} check={a.check} ring={a.ring}: n={len(times)} p50 {statistics.median(times) * 1e6:.1f} us "
           f"p10 {times[len(times) // 10] * 1e6:.1f} p90 {times[len(times) * 9 // 10] * 1e6:.1f} "
           f"min {times[0] * 1e6:.1f}; load() alone p50 {statistics.median(loads) * 1e6:.1f} us"
-          + (f", until the post {statistics.median(to_post) * 1e6:.1f} us" if to_post else ""))
+          + (f", until the post {statistics.median(to_post) * 1e6:.1f} us" if to_post else "")
+          + (f", DONE seen -> barrier returned {statistics.median(tail) * 1e6:.1f} us" if tail else ""))
     if floor:
         floor.sort()
         print(f"bare transfer (same agent, link, blocks; post + poll, no ec-nixl bookkeeping): "
