@@ -29,7 +29,7 @@ import torch
 from ec_nixl.endpoint import Endpoint
 from ec_nixl.errors import LoadFailed
 from ec_nixl.states import TicketState
-from ec_nixl.tickets import LoadTicket
+from ec_nixl.tickets import LoadTicket, hand_over
 
 
 _LANDED = TicketState.LANDED
@@ -58,14 +58,11 @@ class LoadBarrier:
             if t.state is not _LANDED:
                 self._wait_landed(tickets, timeout)
                 break
-        out = {}
-        stream = None
-        for t in tickets:
-            out[t.mm_hash] = t.tensor()
-            if t.event is not None:
-                if stream is None:
-                    stream = torch.cuda.current_stream()
-                stream.wait_event(t.event)
+        out, events = hand_over(tickets)
+        if events:
+            stream = torch.cuda.current_stream()
+            for e in events:
+                stream.wait_event(e)
         self.endpoint.metrics.wait(time.perf_counter() - t0)
         return out
 
@@ -79,7 +76,10 @@ class LoadBarrier:
             loader.drive(list(tickets), time.monotonic() + max(0.0, budget), settle=self.settle)
         else:
             self.endpoint.wait_for(lambda: all(t.done for t in tickets), max(0.0, budget))
-        if all(t.state is _LANDED for t in tickets):
+        for t in tickets:  # (a loop, not all() over a generator: every step's hand-over passes here)
+            if t.state is not _LANDED:
+                break
+        else:
             return
         late = [t for t in tickets if not t.done]
         if late:  # out of time: make them final (quarantining any DMA target) before reporting

@@ -102,32 +102,48 @@ class ReadLane:
         tickets and check the rest of each description, while the DMA runs. Nothing per item but
         those checks stands before the post (on the H200, 32 items spent 139 of 233 us of Python
         before it on the per-item path). None, with nothing done, for any other step:
-        ``Loader.load``'s general path takes it (and names what is wrong)."""
+        ``Loader.load``'s general path takes it (and names what is wrong).
+
+        The link's disconnect monitor is looked at after the post, while the DMA runs (one
+        ``getsockopt``, ~2.5 us on the dev box, was the largest single cost before it): a
+        disconnect found there means the producer may have dropped our session or restarted
+        since its Hold, so the step's bytes are not trusted and its items fail ``PEER_LOST``
+        (retryable) once the READ is final; a READ only reads, so posting it harmed nothing."""
         producer = refs[0].producer
         link = self.links.find(producer)
-        if link is None or link.state is not LinkState.READY or link.mode != "read" or self.links.unread(link):
+        if link is None or link.state is not LinkState.READY or link.mode != "read":
             return None
         wall, incarnation, bs = time.time(), link.incarnation, self.pool.block_size
-        ns = []
+        # Sizes, and the step as runs contiguous on both sides (ours is one run, at offset 0
+        # until the pool gives its first block): one descriptor per run, no second pass.
+        ns: list[int] = []
+        runs: list[list[int]] = []
+        here = 0
+        there = -1  # the producer's block that would continue the last run
         for r in refs:
             nbytes = r.desc.nbytes
             if r.producer != producer or r.block < 0 or wall >= r.valid_until \
                     or (r.incarnation and r.incarnation != incarnation) \
                     or type(nbytes) is not int or not 0 < nbytes <= MAX_ITEM_BYTES:
                 return None
-            ns.append(-(-nbytes // bs))
+            n = -(-nbytes // bs)
+            ns.append(n)
+            if r.block == there:
+                runs[-1][2] += n
+            else:
+                runs.append([here, r.block, n])
+            here += n
+            there = r.block + n
         pool = self.pool
-        at = pool.try_reserve_run(sum(ns))
+        at = pool.try_reserve_run(here)
         if at is None:
             return None
-        ranges, b = [], at
-        for r, n in zip(refs, ns):
-            ranges.append((b, r.block, n))
-            b += n
+        for run in runs:
+            run[0] += at
         t_post = time.perf_counter()
         error: Optional[TransferFailed] = None
         try:
-            x = self.transport.post_many("READ", link.peer, ranges)
+            x = self.transport.post_many("READ", link.peer, runs)
         except TransferFailed as e:
             x, error = None, e
         except BaseException:
@@ -135,17 +151,28 @@ class ReadLane:
                 pool.release(slot)
             raise
         # The DMA runs: now the per-item bookkeeping.
+        lost = self.links.unread(link)
         slots = pool.slots_in_run(at, ns, [r.desc.nbytes for r in refs], [r.desc.mm_hash for r in refs])
         tickets = []
         for r, slot in zip(refs, slots):
             t = LoadTicket(r, deadline, pool)
             t.slot, t.mode = slot, "read"
             tickets.append(t)
+        if lost:
+            why = f"the link to {producer} saw a disconnect as its READ was posted (the producer may " \
+                  f"have restarted or dropped the session since its Hold)" + (f": {error}" if error else "")
         if error is not None:
             for t in tickets:
-                self.fail(t, str(error), error.reason)
+                if lost:
+                    self.fail(t, f"item {t.mm_hash}: {why}", "PEER_LOST", retryable=True)
+                else:
+                    self.fail(t, str(error), error.reason)
             return tickets
         self._track(x, tickets, t_post)
+        if lost:  # failed once the READ is final (``complete``): its slot is the DMA's until then
+            for t in tickets:
+                t.error, t.reason, t.retryable = f"item {t.mm_hash}: {why}", "PEER_LOST", True
+            return tickets
         # The rest of each description is checked while its bytes move (the READ needed only
         # the size, and lands in our own slot). A bad one is marked, and failed once its request
         # is final (``complete``): failing it now would cancel the request, and with it the
@@ -252,8 +279,8 @@ class ReadLane:
             tickets = self.in_flight.pop(x, ())
             if x.state != "DONE":
                 for t in tickets:
-                    if t.reason:  # a description found bad after the post (``post_step``)
-                        self.fail(t, t.error, t.reason)
+                    if t.reason:  # a description (or the link) found bad after the post (``post_step``)
+                        self.fail(t, t.error, t.reason, t.retryable)
                     else:
                         self.fail(t, f"READ from {t.ref.producer} failed (NIXL ERR)", "XFER_ERR")
                 continue
@@ -262,8 +289,8 @@ class ReadLane:
                 if t.state is not _PENDING:
                     continue
                 t.xfer = None
-                if t.reason:  # a description found bad after the post: the DMA is over, the slot free
-                    self.fail(t, t.error, t.reason, settled=True)
+                if t.reason:  # a description (or the link) found bad after the post: the DMA is over
+                    self.fail(t, t.error, t.reason, t.retryable, settled=True)
                 elif now > t.deadline:
                     # Seen done only after its deadline (this process was stopped or starved):
                     # the producer may have reclaimed the slot and reused it before the READ ran.
@@ -272,8 +299,7 @@ class ReadLane:
                 else:
                     t.land(t_done)
                     landed.append(t)
-            self.metrics.count("loads_landed", len(landed))
-            self.unsettled.append((x, landed))
+            self.unsettled.append((x, landed))  # counted there (``settle``), off the hand-over
         self.loop.changed()
 
     def settle(self) -> None:
@@ -283,6 +309,7 @@ class ReadLane:
         for x, tickets in settle:
             self._record(x, tickets[0].t_post if tickets else time.perf_counter())
             if tickets:
+                self.metrics.count("loads_landed", len(tickets))
                 self._notify_read(tickets)
 
     def _record(self, x: Xfer, t_post: float) -> None:

@@ -160,18 +160,14 @@ BREAKAGES: tuple[Breakage, ...] = (
             if t.state is not _LANDED:
                 self._wait_landed(tickets, timeout)
                 break
-        out = {}
-        stream = None
-        for t in tickets:
-            out[t.mm_hash] = t.tensor()
+        out, events = hand_over(tickets)
 """,
         new="""        self.endpoint.wait_for(lambda: all(t.done or t.slot is not None for t in tickets),
                                60.0)  # BROKEN: a reserved slot is enough
         failures = {t.mm_hash: (t.error or t.reason or t.state) for t in tickets if t.state is TicketState.FAILED}
         if failures:
             raise LoadFailed(failures)
-        out = {}
-        stream = None
+        out, events = {}, []
         for t in tickets:
             out[t.mm_hash] = t.slot.view(t.ref.desc.shape, getattr(torch, t.ref.desc.dtype))  # BROKEN: no guard
 """,
@@ -179,6 +175,17 @@ BREAKAGES: tuple[Breakage, ...] = (
         expect=("test_barrier_returns_at_once_for_landed_items",
                 "test_producer_killed_mid_transfer_hands_over_only_whole_items", "test_soak_2x2_read_and_write"),
         env=SMALL_SOAK,
+    ),
+    Breakage(
+        name="direct-read-ignores-disconnect",
+        guarantee="a held step posted on a link with an unread disconnect is never handed over",
+        file="ec_nixl/read_lane.py",
+        old="""        lost = self.links.unread(link)
+""",
+        new="""        lost = False  # BROKEN: the link's pending disconnect is not looked at
+""",
+        tests=("tests/test_restarts.py",),
+        expect=("test_a_held_step_whose_producer_died_fails_retryable_at_once",),
     ),
 )
 

@@ -139,6 +139,37 @@ def test_a_ref_held_by_another_incarnation_is_never_asked_of_this_one(procs, mak
     assert cons.pool.stats().used == 0
 
 
+def test_a_held_step_whose_producer_died_fails_retryable_at_once(procs, make_consumer, device):
+    """The producer of a held item dies before the load, and our unthreaded consumer has not run
+    since: its link still says ready, the disconnect waits unread in the link's monitor. The held
+    step takes the direct path (the monitor is looked at after the post, while a READ would run;
+    here NIXL may refuse the post already), and nothing of it is handed over: the item fails
+    PEER_LOST, retryable (the caller gets it elsewhere), naming the producer, within a second,
+    and its slot comes back."""
+    prod = procs(device=device)
+    cons = make_consumer(mode="read", pool_bytes=SMALL, quarantine_s=0.2)
+    warm = prod.call("publish", [("warm", (16, 16), "float32", 4)])[0]
+    landed(cons, [ItemRef(desc=warm, producer=prod.address)], 4, (16, 16))
+    desc = prod.call("publish", [("gone", (256, 256), "float32", 5)])[0]
+    q = cons.hold_async(prod.address, ["gone"], timeout=10)
+    assert cons.wait_for(lambda: q.done, 10) and q.states["gone"].status == "ready"
+    link = cons.links.find(prod.address)
+    prod.kill()
+    assert wait_until(lambda: cons.links.unread(link), 10), "the disconnect never reached the monitor"
+    assert link.state == "ready", "the consumer has not looked yet"
+
+    t0 = time.monotonic()
+    tickets = cons.load([ref_from(desc, prod.address, q)], timeout=5)
+    with pytest.raises(LoadFailed):
+        LoadBarrier(cons).wait(tickets)
+    took = time.monotonic() - t0
+    t = tickets[0]
+    assert t.reason == "PEER_LOST" and t.retryable and prod.address in t.error, t
+    assert took < 1.0, f"took {took:.2f} s"
+    print(f"[info] held step of a dead producer failed in {took * 1e3:.1f} ms with: {t.error}")
+    assert cons.wait_for(lambda: cons.pool.stats().used == 0 and cons.pool.stats().quarantined == 0, 5)
+
+
 def test_read_seen_done_after_its_deadline_is_not_handed_over(procs, make_consumer, device):
     """A consumer that was stopped (or starved) past a load's deadline may see its READ done only
     then; by that time the producer may have reclaimed the slot (its session timed out) and
