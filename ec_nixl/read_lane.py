@@ -182,7 +182,8 @@ class ReadLane:
                 validate_item(t.ref.desc)
             except ECNixlError as e:
                 t.error, t.reason = str(e), "BAD_REQUEST"
-        self.links.wake(link)  # bookkeeping (the silence clock), after the DMA started
+        # (No ``Links.wake``: READs are no work for the link's silence clock, ``Links.busy``;
+        # the clock starts with the first control-plane work, at its tick.)
         return tickets
 
     def post_queued(self, link: Link, work: LinkWork) -> None:
