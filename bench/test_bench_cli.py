@@ -264,14 +264,19 @@ def _probe(name: str, *args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
 
 
-@pytest.mark.parametrize("extra", [["--floor", "--check"], ["--python-only"], ["--items", "3", "--profile", "--top", "5"]])
+@pytest.mark.parametrize("extra", [["--floor", "--check"], ["--python-only", "--n", "30", "--fake-dma-us", "20"],
+                                   ["--items", "3", "--profile", "--top", "5"]])
 def test_hotpath_probe_runs(extra):
     """bench/probes/hotpath.py (where a load's host time goes) keeps working: a producer process,
     real NIXL DRAM loads through the endpoint, checked bytes with --check; --python-only fakes
-    NIXL's post and poll after warm-up (its purpose: the connector's own Python per operation)."""
+    NIXL's post and poll after 20 real posts (its purpose: the connector's own Python per
+    operation), and prints what of it stands outside the (fake) DMA."""
     r = _probe("hotpath.py", "--size", "64K", "--n", "12", "--batch", "6", *extra)
+    n = extra[extra.index("--n") + 1] if "--n" in extra else "12"
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "read 64K" in r.stdout and "n=12 p50" in r.stdout, r.stdout[-2000:]
+    assert "read 64K" in r.stdout and f"n={n} p50" in r.stdout, r.stdout[-2000:]
+    if "--python-only" in extra:
+        assert "until the post" in r.stdout and "DONE seen -> barrier returned" in r.stdout, r.stdout[-2000:]
     if "--floor" in extra:
         assert "bare transfer" in r.stdout
     if "--profile" in extra:

@@ -9,7 +9,7 @@ the tool for cutting the connector's own per-operation cost (issue: the hot path
 physical limit). Not a benchmark of record: ``ec-nixl bench`` is (it has the raw-NIXL floor).
 
     python bench/probes/hotpath.py [--device cpu|cuda] [--size 64K] [--items 1] [--n 300] [--profile]
-                                   [--floor | --python-only]
+                                   [--floor | --python-only [--fake-dma-us US]]
 """
 
 from __future__ import annotations
