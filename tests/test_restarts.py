@@ -77,6 +77,17 @@ def landed(cons: Endpoint, refs: list[ItemRef], seed: int, shape, dtype="float32
         t.release()
 
 
+def held_by_a_warm_link(cons: Endpoint, prod, h: str):
+    """A ready link (one item loaded over it), then item ``h`` (256 x 256 float32, seed 5)
+    published and held by ``cons`` itself: its description and the answered hold."""
+    warm = prod.call("publish", [("warm", (16, 16), "float32", 4)])[0]
+    landed(cons, [ItemRef(desc=warm, producer=prod.address)], 4, (16, 16))
+    desc = prod.call("publish", [(h, (256, 256), "float32", 5)])[0]
+    q = cons.hold_async(prod.address, [h], timeout=10)
+    assert cons.wait_for(lambda: q.done, 10) and q.states[h].status == "ready"
+    return desc, q
+
+
 # --------------------------------------------------------------------------------------------
 # (1) a new incarnation is a new peer everywhere at once
 
@@ -148,11 +159,7 @@ def test_a_held_step_whose_producer_died_fails_retryable_at_once(procs, make_con
     and its slot comes back."""
     prod = procs(device=device)
     cons = make_consumer(mode="read", pool_bytes=SMALL, quarantine_s=0.2)
-    warm = prod.call("publish", [("warm", (16, 16), "float32", 4)])[0]
-    landed(cons, [ItemRef(desc=warm, producer=prod.address)], 4, (16, 16))
-    desc = prod.call("publish", [("gone", (256, 256), "float32", 5)])[0]
-    q = cons.hold_async(prod.address, ["gone"], timeout=10)
-    assert cons.wait_for(lambda: q.done, 10) and q.states["gone"].status == "ready"
+    desc, q = held_by_a_warm_link(cons, prod, "gone")
     link = cons.links.find(prod.address)
     prod.kill()
     assert wait_until(lambda: cons.links.unread(link), 10), "the disconnect never reached the monitor"
@@ -176,11 +183,7 @@ def test_read_seen_done_after_its_deadline_is_not_handed_over(procs, make_consum
     reused it. Such bytes are not handed over: the load fails TIMEOUT."""
     prod = procs(device=device)
     cons = make_consumer(mode="read", pool_bytes=SMALL, quarantine_s=0.2)
-    warm = prod.call("publish", [("warm", (16, 16), "float32", 4)])[0]
-    landed(cons, [ItemRef(desc=warm, producer=prod.address)], 4, (16, 16))
-    desc = prod.call("publish", [("late", (256, 256), "float32", 5)])[0]
-    q = cons.hold_async(prod.address, ["late"], timeout=10)
-    assert cons.wait_for(lambda: q.done, 10) and q.states["late"].status == "ready"
+    desc, q = held_by_a_warm_link(cons, prod, "late")
     tickets = cons.load([ref_from(desc, prod.address, q)], timeout=0.3)
     assert tickets[0].phase == "read", tickets[0]  # the owner posts at once; nobody has polled it
     time.sleep(0.5)  # "stopped" past the deadline
