@@ -293,6 +293,15 @@ def test_handoff_trace_probe_runs():
     assert "the same item again right after" in r.stdout, r.stdout[-2000:]
 
 
+def test_handoff_trace_probe_traces_a_write_at_publish():
+    """The same with --write (``expect-write``): a parked Push on a write-mode link, real NIXL
+    DRAM WRITEs started by the publish, the WRITE's post and its notification stamped."""
+    r = _probe("handoff_trace.py", "--size", "64K", "--n", "6", "--write")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "64K write: 6 hand-offs" in r.stdout, r.stdout[-2000:]
+    assert "WRITE posted" in r.stdout and "consumer saw WRITE done" in r.stdout, r.stdout[-2000:]
+
+
 def test_zmq_hop_probe_runs():
     """bench/probes/zmq_hop.py (what one control-plane round trip costs) keeps working: a pipe, a
     plain socket and ZMQ over tcp, each side blocking or spinning."""

@@ -18,7 +18,16 @@ comes after the consumer already saw the answer. Not a benchmark of record:
 Each hand-off's item is then read once more at once (load() -> barrier, into another slot): the
 READ after the hand-off against the same READ when nothing else happened in between.
 
+``--write`` traces ``expect-write`` instead: the consumer's ``load(wait_s=)`` on a write-mode link
+parks a Push at the producer; the publish starts the WRITE into the consumer's slot. Its steps:
+
+    publish_slot returned | the producer's loop answers | WRITE posted | the consumer sees the
+    WRITE's notification | barrier returned
+
+(the READ control is then skipped: the item is not held).
+
     python bench/probes/handoff_trace.py [--device cpu|cuda] [--size 64K] [--n 60] [--quiet-ms MS] [--touch] [--busy]
+                                         [--write]
 """
 
 from __future__ import annotations
@@ -31,9 +40,12 @@ import time
 
 STEPS = ("publish_slot returned", "answer_parked entered", "Grant sent", "consumer saw the answer",
          "load() returned", "barrier returned")
+WRITE_STEPS = ("publish_slot returned", "answer_parked entered", "WRITE posted", "consumer saw WRITE done",
+               "barrier returned")
 
 
-def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: float = 0.0) -> None:
+def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: float = 0.0,
+             write: bool = False) -> None:
     import torch
 
     from ec_nixl.config import EndpointConfig
@@ -53,6 +65,16 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: 
         marks.setdefault("sent", time.perf_counter())
 
     srv.answer_parked, srv.reply = timed_answer, timed_reply
+    post = ep.transport.post_many
+
+    def timed_post(op, *a, **k):  # --write: "sent" is the WRITE's post
+        x = post(op, *a, **k)
+        if op == "WRITE":
+            marks.setdefault("sent", time.perf_counter())
+        return x
+
+    ep.transport.post_many = timed_post
+    waits_for = "pushes_parked" if write else "holds_parked"
     conn.send(ep.address)
     while True:
         cmd = conn.recv()
@@ -64,7 +86,7 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: 
         if device == "cuda":
             torch.cuda.synchronize()
         time.sleep(quiet_s)  # --quiet-ms: this process's GPU work long done before the publish
-        while ep.metrics.counters.get("holds_parked", 0) < parked:  # the consumer's Hold is here
+        while ep.metrics.counters.get(waits_for, 0) < parked:  # the consumer's Hold (or Push) is here
             time.sleep(0.0002)
         marks.clear()
         t0 = time.perf_counter()
@@ -99,6 +121,8 @@ def main() -> None:
     ap.add_argument("--busy", action="store_true",
                     help="a thread of the consumer launches a tiny kernel every ~0.2 ms on its own stream, as a "
                          "PD worker's forward passes keep its GPU busy")
+    ap.add_argument("--write", action="store_true",
+                    help="trace expect-write: a parked Push on a write-mode link, the WRITE started by the publish")
     args = ap.parse_args()
     from ec_nixl.bench.units import parse_size
 
@@ -113,12 +137,12 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=producer, args=(there, args.device, nbytes, shape, dtype, args.quiet_ms / 1e3),
-                       daemon=True)
+    proc = ctx.Process(target=producer, args=(there, args.device, nbytes, shape, dtype, args.quiet_ms / 1e3,
+                                              args.write), daemon=True)
     proc.start()
     addr = here.recv()
     ep = Endpoint(EndpointConfig(name="trace-cons", device=args.device, pool_bytes=max(64 << 20, 8 * nbytes),
-                                 threaded=False, mode="read"))
+                                 threaded=False, mode="write" if args.write else "read"))
     barrier = LoadBarrier(ep, settle=False)  # as vLLM's PD worker: settle after the hand-over
     rows, again = [], []
     touch = None
@@ -130,8 +154,34 @@ def main() -> None:
     if args.busy and args.device == "cuda":
         threading.Thread(target=keep_busy, args=(stop,), daemon=True).start()
     try:
+        seen: list[float] = []
+        if args.write:
+            on_write_done = ep.loader.on_write_done
+
+            def timed_write_done(*a):
+                seen.append(time.perf_counter())
+                on_write_done(*a)
+
+            ep.loader.on_write_done = timed_write_done
         for i in range(args.n + 5):
             mm_hash = f"trace-{i}"
+            if args.write:
+                desc = ItemDesc(mm_hash=mm_hash, shape=list(shape), dtype=dtype, nbytes=nbytes)
+                if touch is not None:
+                    touch.add_(1)
+                    torch.cuda.synchronize()
+                tickets = ep.load([ItemRef(desc=desc, producer=addr)], timeout=30, wait_s=10)
+                ep.progress()
+                here.send((mm_hash, i + 1))
+                barrier.wait(tickets, timeout=30)
+                c_landed = time.perf_counter()
+                t0, t1, t_answer, t_sent = here.recv()
+                for t in tickets:
+                    t.release()
+                ep.progress()
+                if i >= 5:
+                    rows.append([x - t0 for x in (t1, t_answer, t_sent, seen[-1], c_landed)])
+                continue
             hold = ep.hold_async(addr, [mm_hash], timeout=30, wait_s=10)
             ep.progress()
             here.send((mm_hash, i + 1))
@@ -175,11 +225,14 @@ def main() -> None:
         here.send(None)
         proc.join(10)
         ep.close()
-    print(f"{args.device} {args.size}: {len(rows)} hand-offs, microseconds after publishing began")
-    for k, name in enumerate(STEPS):
+    print(f"{args.device} {args.size}{' write' if args.write else ''}: {len(rows)} hand-offs, "
+          f"microseconds after publishing began")
+    for k, name in enumerate(WRITE_STEPS if args.write else STEPS):
         xs = sorted(r[k] * 1e6 for r in rows)
         print(f"  {name:24s} p50 {statistics.median(xs):8.1f}   p10 {xs[len(xs) // 10]:8.1f}   "
               f"p90 {xs[9 * len(xs) // 10]:8.1f}")
+    if args.write:
+        return
     first = sorted(a * 1e6 for a, _ in again)
     hot = sorted(b * 1e6 for _, b in again)
     print(f"  the READ itself (load() -> barrier): after the hand-off p50 {statistics.median(first):.1f} us, "
