@@ -12,7 +12,7 @@ A ticket keeps a reference to its pool (to give the slot back), never to the end
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import msgspec
 import torch
@@ -161,7 +161,7 @@ def wait_left(tickets: list[LoadTicket]) -> float:
     return max(0.0, until - time.monotonic()) if until else 0.0
 
 
-def hand_over(tickets) -> tuple[dict[str, torch.Tensor], list]:
+def hand_over(tickets: Sequence[LoadTicket]) -> tuple[dict[str, torch.Tensor], list]:
     """The barrier's hand-over of landed ``tickets``: ``({mm_hash: view}, [CUDA events the
     compute stream must wait on])``, in one plain loop over the tickets' slots (no property or
     method call per item: every step pays it, 32 times for a 32-item step). Raises like
