@@ -300,7 +300,9 @@ class ReadLane:
                 else:
                     t.land(t_done)
                     landed.append(t)
-            self.unsettled.append((x, landed))  # counted there (``settle``), off the hand-over
+            # Counted here, not in ``settle``: a step's stats may be read before it settles.
+            self.metrics.count("loads_landed", len(landed))
+            self.unsettled.append((x, landed))
         self.loop.changed()
 
     def settle(self) -> None:
@@ -310,7 +312,6 @@ class ReadLane:
         for x, tickets in settle:
             self._record(x, tickets[0].t_post if tickets else time.perf_counter())
             if tickets:
-                self.metrics.count("loads_landed", len(tickets))
                 self._notify_read(tickets)
 
     def _record(self, x: Xfer, t_post: float) -> None:
