@@ -158,20 +158,20 @@ class ReadLane:
             t = LoadTicket(r, deadline, pool)
             t.slot, t.mode = slot, "read"
             tickets.append(t)
-        if lost:
+        if lost:  # marked the way a bad description is (below): failed when the READ is final
             why = f"the link to {producer} saw a disconnect as its READ was posted (the producer may " \
                   f"have restarted or dropped the session since its Hold)" + (f": {error}" if error else "")
+            for t in tickets:
+                t.error, t.reason, t.retryable = f"item {t.mm_hash}: {why}", "PEER_LOST", True
         if error is not None:
             for t in tickets:
-                if lost:
-                    self.fail(t, f"item {t.mm_hash}: {why}", "PEER_LOST", retryable=True)
+                if t.reason:
+                    self.fail(t, t.error, t.reason, t.retryable)
                 else:
                     self.fail(t, str(error), error.reason)
             return tickets
         self._track(x, tickets, t_post)
-        if lost:  # failed once the READ is final (``complete``): its slot is the DMA's until then
-            for t in tickets:
-                t.error, t.reason, t.retryable = f"item {t.mm_hash}: {why}", "PEER_LOST", True
+        if lost:
             return tickets
         # The rest of each description is checked while its bytes move (the READ needed only
         # the size, and lands in our own slot). A bad one is marked, and failed once its request
