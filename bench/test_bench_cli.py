@@ -295,11 +295,15 @@ def test_handoff_trace_probe_runs():
 
 def test_handoff_trace_probe_traces_a_write_at_publish():
     """The same with --write (``expect-write``): a parked Push on a write-mode link, real NIXL
-    DRAM WRITEs started by the publish, the WRITE's post and its notification stamped."""
-    r = _probe("handoff_trace.py", "--size", "64K", "--n", "6", "--write")
+    DRAM WRITEs started by the publish, the WRITE's post and its notification stamped; --marks
+    stamps the producer's steps from the parked Push to the post (here with the producer's NIXL
+    progress thread off, --no-progress-thread: its loop then drives UCX)."""
+    r = _probe("handoff_trace.py", "--size", "64K", "--n", "6", "--write", "--marks", "--no-progress-thread")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "64K write: 6 hand-offs" in r.stdout, r.stdout[-2000:]
     assert "WRITE posted" in r.stdout and "consumer saw WRITE done" in r.stdout, r.stdout[-2000:]
+    for step in ("_push>", "claim_pushes<", "is_ready=T", "post_many>", "post_many<"):
+        assert f"    {step} " in r.stdout, r.stdout[-2000:]
 
 
 def test_zmq_hop_probe_runs():

@@ -27,7 +27,7 @@ parks a Push at the producer; the publish starts the WRITE into the consumer's s
 (the READ control is then skipped: the item is not held).
 
     python bench/probes/handoff_trace.py [--device cpu|cuda] [--size 64K] [--n 60] [--quiet-ms MS] [--touch] [--busy]
-                                         [--write]
+                                         [--write [--marks]] [--no-progress-thread]
 """
 
 from __future__ import annotations
@@ -44,15 +44,46 @@ WRITE_STEPS = ("publish_slot returned", "answer_parked entered", "WRITE posted",
                "barrier returned")
 
 
+MARKED = ("_push", "claim_pushes", "pusher.add", "pusher.poll", "is_ready", "post_many")
+"""--marks: the producer's steps between its loop taking the parked Push and the WRITE's post."""
+
+
+def mark_calls(ep, marks: dict) -> None:
+    """Wrap the producer's push path so that each step's first entry ("name>") and exit ("name<")
+    after the publish is stamped; ``is_ready`` also stamps its first True ("is_ready=T")."""
+    from ec_nixl.published import Item
+
+    def wrap(name, obj, attr):
+        fn = getattr(obj, attr)
+
+        def timed(*a, **k):
+            marks.setdefault(name + ">", time.perf_counter())
+            r = fn(*a, **k)
+            marks.setdefault(name + "<", time.perf_counter())
+            if name == "is_ready" and r:
+                marks.setdefault("is_ready=T", time.perf_counter())
+            return r
+
+        setattr(obj, attr, timed)
+
+    srv = ep.server
+    wrap("_push", srv, "_push")
+    wrap("claim_pushes", ep.items, "claim_pushes")
+    wrap("pusher.add", srv.pusher, "add")
+    wrap("pusher.poll", srv.pusher, "poll")
+    wrap("post_many", ep.transport, "post_many")
+    wrap("is_ready", Item, "is_ready")
+
+
 def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: float = 0.0,
-             write: bool = False) -> None:
+             write: bool = False, marked: bool = False, prog_thread: bool | None = None) -> None:
     import torch
 
     from ec_nixl.config import EndpointConfig
     from ec_nixl.endpoint import Endpoint
 
     ep = Endpoint(EndpointConfig(name="trace-prod", device=device, listen="127.0.0.1:0",
-                                 pool_bytes=max(64 << 20, 8 * nbytes)))
+                                 pool_bytes=max(64 << 20, 8 * nbytes), nixl_progress_thread=prog_thread))
     srv, marks = ep.server, {}
     answer, reply = srv.answer_parked, srv.reply
 
@@ -74,6 +105,8 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: 
         return x
 
     ep.transport.post_many = timed_post
+    if marked:
+        mark_calls(ep, marks)
     waits_for = "pushes_parked" if write else "holds_parked"
     conn.send(ep.address)
     while True:
@@ -93,7 +126,8 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: 
         ep.publish_slot(mm_hash, slot, shape, getattr(torch, dtype))
         t1 = time.perf_counter()
         time.sleep(0.005)  # let the answer go out before reporting
-        conn.send((t0, t1, marks.get("answer", float("nan")), marks.get("sent", float("nan"))))
+        conn.send((t0, t1, marks.get("answer", float("nan")), marks.get("sent", float("nan")),
+                   {k: v - t0 for k, v in marks.items() if k not in ("answer", "sent")}))
     ep.close()
 
 
@@ -123,6 +157,10 @@ def main() -> None:
                          "PD worker's forward passes keep its GPU busy")
     ap.add_argument("--write", action="store_true",
                     help="trace expect-write: a parked Push on a write-mode link, the WRITE started by the publish")
+    ap.add_argument("--marks", action="store_true",
+                    help="with --write: also stamp the producer's steps from taking the parked Push to the post")
+    ap.add_argument("--no-progress-thread", action="store_true",
+                    help="the producer's NIXL agent runs without its progress thread (its loop drives UCX)")
     args = ap.parse_args()
     from ec_nixl.bench.units import parse_size
 
@@ -138,13 +176,14 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=producer, args=(there, args.device, nbytes, shape, dtype, args.quiet_ms / 1e3,
-                                              args.write), daemon=True)
+                                              args.write, args.marks,
+                                              False if args.no_progress_thread else None), daemon=True)
     proc.start()
     addr = here.recv()
     ep = Endpoint(EndpointConfig(name="trace-cons", device=args.device, pool_bytes=max(64 << 20, 8 * nbytes),
                                  threaded=False, mode="write" if args.write else "read"))
     barrier = LoadBarrier(ep, settle=False)  # as vLLM's PD worker: settle after the hand-over
-    rows, again = [], []
+    rows, again, extra = [], [], []
     touch = None
     if args.touch and args.device == "cuda":
         import torch
@@ -175,11 +214,12 @@ def main() -> None:
                 here.send((mm_hash, i + 1))
                 barrier.wait(tickets, timeout=30)
                 c_landed = time.perf_counter()
-                t0, t1, t_answer, t_sent = here.recv()
+                t0, t1, t_answer, t_sent, more = here.recv()
                 for t in tickets:
                     t.release()
                 ep.progress()
                 if i >= 5:
+                    extra.append(more)
                     rows.append([x - t0 for x in (t1, t_answer, t_sent, seen[-1], c_landed)])
                 continue
             hold = ep.hold_async(addr, [mm_hash], timeout=30, wait_s=10)
@@ -213,7 +253,7 @@ def main() -> None:
             dt_again = time.perf_counter() - t_again
             for t in second:
                 t.release()
-            t0, t1, t_answer, t_sent = here.recv()
+            t0, t1, t_answer, t_sent, _ = here.recv()
             for t in tickets:
                 t.release()
             ep.progress()
@@ -232,6 +272,11 @@ def main() -> None:
         print(f"  {name:24s} p50 {statistics.median(xs):8.1f}   p10 {xs[len(xs) // 10]:8.1f}   "
               f"p90 {xs[9 * len(xs) // 10]:8.1f}")
     if args.write:
+        names = sorted({k for m in extra for k in m}, key=lambda k: statistics.median(m.get(k, 1e9) for m in extra))
+        for name in names:
+            xs = sorted(m[k] * 1e6 for m in extra for k in (name,) if k in m)
+            print(f"    {name:22s} p50 {statistics.median(xs):8.1f}   p10 {xs[len(xs) // 10]:8.1f}   "
+                  f"p90 {xs[9 * len(xs) // 10]:8.1f}   (n={len(xs)})")
         return
     first = sorted(a * 1e6 for a, _ in again)
     hot = sorted(b * 1e6 for _, b in again)
