@@ -86,6 +86,14 @@ class EndpointConfig:
     """Connect to producers only to read their statistics (no compat hash needed, no data)."""
     threaded: bool = True
     """Run an I/O thread that owns NIXL; otherwise the creating thread drives progress."""
+    gil_switch_interval_s: Optional[float] = 0.0002
+    """With an I/O thread: lower the interpreter's GIL switch interval (``sys.setswitchinterval``,
+    5 ms by default) to this, never raise it. A thread that wants the GIL while another runs
+    Python waits up to that interval before CPython makes the other let go: while vLLM's runner
+    thread went on with its step after a publish, the I/O thread answered the waiting request
+    5-10 ms late instead of in ~0.1 ms (bench/probes/handoff_trace.py ``--spin-ms``). It costs a
+    thread that runs Python only when another one wants the GIL; ours sleeps in its poller until
+    a message arrives. Process-wide (the interpreter has one); None leaves it alone."""
     free_when_consumed: bool = True
     """Producer frees an item as soon as every declared reader has read it."""
     evict_unclaimed: bool = True
@@ -117,6 +125,8 @@ class EndpointConfig:
                 raise ConfigError(f"{f} must be > 0, got {getattr(self, f)}")
         if self.nixl_progress_wait_s < 0:
             raise ConfigError(f"nixl_progress_wait_s must be >= 0, got {self.nixl_progress_wait_s}")
+        if self.gil_switch_interval_s is not None and not 0 < self.gil_switch_interval_s <= 1:
+            raise ConfigError(f"gil_switch_interval_s must be in (0, 1] s or None, got {self.gil_switch_interval_s}")
         if self.quarantine_s < 0:
             raise ConfigError(f"quarantine_s must be >= 0, got {self.quarantine_s}")
         if self.reserve_wait_s < 0:

@@ -90,7 +90,8 @@ class Endpoint:
             self._close_parts()
             raise
         if cfg.threaded:
-            self.loop.start(on_owner=self.transport.bind_owner if self.transport else (lambda: None))
+            self.loop.start(on_owner=self.transport.bind_owner if self.transport else (lambda: None),
+                            gil_switch_s=cfg.gil_switch_interval_s)
 
     def _published_some(self) -> None:
         """Answer the Holds waiting for items now (from the publishing thread: via the loop)."""

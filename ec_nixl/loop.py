@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Callable, Optional
@@ -32,6 +33,16 @@ WAIT_ROUND_S = 0.001
 """Longest an owner's ``wait_for`` blocks between two rounds."""
 TICK_S = 0.002
 """Period of the timers (deadlines, heartbeats, lease expiry, pool reclaim)."""
+
+
+def lower_switch_interval(seconds: float) -> None:
+    """Make the interpreter's GIL switch interval at most ``seconds`` (process-wide, never raised):
+    an I/O thread woken by a message would otherwise wait up to 5 ms for a busy thread's GIL."""
+    now = sys.getswitchinterval()
+    if seconds < now:
+        sys.setswitchinterval(seconds)
+        logger.info("ec-nixl: GIL switch interval lowered from %.4g s to %.4g s (gil_switch_interval_s)", now,
+                    sys.getswitchinterval())
 
 
 class OwnerLoop:
@@ -99,8 +110,12 @@ class OwnerLoop:
         """``fn()`` says how soon this part needs the next round (None: no opinion)."""
         self._idle_hints.append(fn)
 
-    def start(self, on_owner: Callable[[], None] = lambda: None) -> None:
-        """Start the I/O thread (it becomes the owner and runs ``on_owner`` first)."""
+    def start(self, on_owner: Callable[[], None] = lambda: None, gil_switch_s: Optional[float] = None) -> None:
+        """Start the I/O thread (it becomes the owner and runs ``on_owner`` first). ``gil_switch_s``:
+        the most it may wait for the GIL while another thread runs Python (see
+        ``EndpointConfig.gil_switch_interval_s``)."""
+        if gil_switch_s is not None:
+            lower_switch_interval(gil_switch_s)
         self._thread = threading.Thread(target=self._run, args=(on_owner,), name=f"ec-nixl-io-{self.name}",
                                         daemon=True)
         self._owner = -1

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from ec_nixl.config import EndpointConfig, parse_options, split_address
+from ec_nixl.endpoint import Endpoint
 from ec_nixl.errors import ConfigError
 
 
@@ -31,6 +34,9 @@ def test_unknown_key_lists_valid_ones():
     ({"pool_bytes": 1024}, "too small"),
     ({"pool_bytes": True}, "boolean"),
     ({"reserve_wait_s": -0.5}, "reserve_wait_s must be >= 0"),
+    ({"gil_switch_interval_s": 0}, r"gil_switch_interval_s must be in \(0, 1\]"),
+    ({"gil_switch_interval_s": 5}, r"gil_switch_interval_s must be in \(0, 1\]"),
+    ({"gil_switch_interval_s": "fast"}, "gil_switch_interval_s"),
 ])
 def test_bad_values_are_named(opts, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -70,3 +76,32 @@ def test_progress_thread_per_role_and_backend():
     assert not EndpointConfig(name="p", listen="127.0.0.1:0", nixl_progress_thread=False).progress_thread
     with pytest.raises(ConfigError, match="nixl_progress_wait_s"):
         EndpointConfig(name="p", nixl_progress_wait_s=-1)
+
+
+@pytest.fixture
+def switch_interval():
+    """The interpreter's GIL switch interval set to CPython's default for the test, then restored."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    yield
+    sys.setswitchinterval(before)
+
+
+def test_an_io_thread_lowers_the_gil_switch_interval_and_never_raises_it(switch_interval):
+    """An endpoint with an I/O thread lowers the process's switch interval to its
+    ``gil_switch_interval_s`` (a busy runner thread would otherwise keep that thread from its
+    messages for up to 5 ms); a caller-driven one, ``None``, or a larger value leave it as it is;
+    ``None`` is also what a JSON null or "none" option gives."""
+    def interval_after(**kw) -> float:
+        ep = Endpoint(EndpointConfig(name="gil", pool_bytes=0, **kw))
+        try:
+            return sys.getswitchinterval()
+        finally:
+            ep.close()
+
+    assert interval_after(threaded=False) == pytest.approx(0.005), "no I/O thread: nothing to wake"
+    assert interval_after(gil_switch_interval_s=None) == pytest.approx(0.005)
+    assert parse_options(EndpointConfig, {"gil_switch_interval_s": "none"}, fixed={"name": "x"}).gil_switch_interval_s is None
+    assert interval_after(gil_switch_interval_s=0.01) == pytest.approx(0.005), "never raised"
+    assert interval_after() == pytest.approx(EndpointConfig(name="x").gil_switch_interval_s), "the default lowers it"
+    assert interval_after(gil_switch_interval_s=0.001) == pytest.approx(0.0002), "nor raised by a later endpoint"
