@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from ec_nixl.bench.serve import summarize, table
+from ec_nixl.bench.serve import main, split_variant, summarize, table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,6 +29,20 @@ def test_summary_takes_the_median_of_per_round_ratios():
     assert s["nixl"]["req_s_ratio"] == [1.1, 0.9, 1.2]
     assert s["nixl"]["ttft_p50_ms"] == 80 and s["example"]["ttft_p50_ms_ratio"] is None
     assert "0.80 (0.50-0.90)" in table(list(s.values()), "example")
+
+
+def test_a_deployment_variant_carries_its_settings():
+    """``nixl@key=value``: the same deployment with ec_connector_extra_config settings (JSON values
+    where they parse), so one setting can be compared in interleaved rounds; a malformed or
+    misplaced one is refused with its name before anything starts."""
+    assert split_variant("nixl") == ("nixl", {})
+    assert split_variant("nixl@gil_switch_interval_s=null@mode=read") == \
+        ("nixl", {"gil_switch_interval_s": None, "mode": "read"})
+    assert split_variant("nixl-seq@load_timeout_s=2.5") == ("nixl-seq", {"load_timeout_s": 2.5})
+    for bad, why in (("nixl@mode", "is not key=value"), ("example@x=1", "for nixl and nixl-seq")):
+        with pytest.raises(ValueError, match=why):
+            split_variant(bad)
+    assert main(["--deployments", "nixl,example@x=1", "--rounds", "1"]) == 2
 
 
 @pytest.mark.timeout(1500)

@@ -28,6 +28,7 @@ parks a Push at the producer; the publish starts the WRITE into the consumer's s
 
     python bench/probes/handoff_trace.py [--device cpu|cuda] [--size 64K] [--n 60] [--quiet-ms MS] [--touch] [--busy]
                                          [--write [--marks]] [--no-progress-thread]
+                                         [--spin-ms MS] [--gil-switch-ms MS]
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+import sys
 import threading
 import time
 
@@ -76,14 +78,16 @@ def mark_calls(ep, marks: dict) -> None:
 
 
 def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: float = 0.0,
-             write: bool = False, marked: bool = False, prog_thread: bool | None = None) -> None:
+             write: bool = False, marked: bool = False, prog_thread: bool | None = None,
+             spin_s: float = 0.0, gil: dict | None = None) -> None:
     import torch
 
     from ec_nixl.config import EndpointConfig
     from ec_nixl.endpoint import Endpoint
 
     ep = Endpoint(EndpointConfig(name="trace-prod", device=device, listen="127.0.0.1:0",
-                                 pool_bytes=max(64 << 20, 8 * nbytes), nixl_progress_thread=prog_thread))
+                                 pool_bytes=max(64 << 20, 8 * nbytes), nixl_progress_thread=prog_thread,
+                                 **(gil or {})))
     srv, marks = ep.server, {}
     answer, reply = srv.answer_parked, srv.reply
 
@@ -108,6 +112,7 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: 
     if marked:
         mark_calls(ep, marks)
     waits_for = "pushes_parked" if write else "holds_parked"
+    rates: list[float] = []  # --spin-ms: the publishing thread's loop iterations per ms (what the I/O thread costs it)
     conn.send(ep.address)
     while True:
         cmd = conn.recv()
@@ -125,9 +130,18 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: 
         t0 = time.perf_counter()
         ep.publish_slot(mm_hash, slot, shape, getattr(torch, dtype))
         t1 = time.perf_counter()
+        end = t1 + spin_s  # --spin-ms: keep running Python after the publish, as a model runner does
+        spins = 0
+        while time.perf_counter() < end:
+            spins += 1
+        if spin_s:
+            rates.append(spins / (spin_s * 1e3))
         time.sleep(0.005)  # let the answer go out before reporting
         conn.send((t0, t1, marks.get("answer", float("nan")), marks.get("sent", float("nan")),
                    {k: v - t0 for k, v in marks.items() if k not in ("answer", "sent")}))
+    if rates:
+        print(f"  producer's publishing thread: {statistics.median(rates):.0f} loop iterations per ms while it "
+              f"went on after the publish (p50; GIL switch interval {sys.getswitchinterval() * 1e3:g} ms)", flush=True)
     ep.close()
 
 
@@ -159,6 +173,12 @@ def main() -> None:
                     help="trace expect-write: a parked Push on a write-mode link, the WRITE started by the publish")
     ap.add_argument("--marks", action="store_true",
                     help="with --write: also stamp the producer's steps from taking the parked Push to the post")
+    ap.add_argument("--spin-ms", type=float, default=0.0,
+                    help="the producer's publishing thread keeps running Python this long after each publish "
+                         "(as vLLM's model runner goes on with its step) instead of sleeping at once")
+    ap.add_argument("--gil-switch-ms", type=float, default=None,
+                    help="the producer's gil_switch_interval_s in ms (0: leave the interpreter's 5 ms; default: "
+                         "EndpointConfig's)")
     ap.add_argument("--no-progress-thread", action="store_true",
                     help="the producer's NIXL agent runs without its progress thread (its loop drives UCX)")
     args = ap.parse_args()
@@ -177,7 +197,9 @@ def main() -> None:
     here, there = ctx.Pipe()
     proc = ctx.Process(target=producer, args=(there, args.device, nbytes, shape, dtype, args.quiet_ms / 1e3,
                                               args.write, args.marks,
-                                              False if args.no_progress_thread else None), daemon=True)
+                                              False if args.no_progress_thread else None, args.spin_ms / 1e3,
+                                              None if args.gil_switch_ms is None else
+                                              {"gil_switch_interval_s": args.gil_switch_ms / 1e3 or None}), daemon=True)
     proc.start()
     addr = here.recv()
     ep = Endpoint(EndpointConfig(name="trace-cons", device=args.device, pool_bytes=max(64 << 20, 8 * nbytes),

@@ -12,6 +12,9 @@ deployments:
   overlapped flow (the PD gets the request while E encodes; ``proxy --flow overlap``);
 * ``nixl-seq``: the same with the plain E-then-PD flow;
 * ``example``: 1 E + 1 PD with vLLM's ECExampleConnector (disk), E then PD;
+* ``nixl@key=value[@key=value...]`` (or ``nixl-seq@...``): ``nixl`` with those
+  ``ec_connector_extra_config`` settings on every instance (values parsed as JSON, else strings),
+  to compare one setting in interleaved rounds: ``--deployments nixl,nixl@gil_switch_interval_s=null``;
 * ``mooncake``: 1 E + 1 PD with vLLM's ECMooncakeConnector (over TCP on CPU), driven by the
   protocol it expects (the E request names the consumer; ``proxy --flow mooncake``). Needs
   ``mooncake-transfer-engine-non-cuda`` and ``libibverbs.so.1`` on CPU (``scripts/setup_env.sh``
@@ -67,11 +70,31 @@ for pt in points:
 """
 
 
+def split_variant(name: str) -> tuple[str, dict[str, Any]]:
+    """``'nixl@k=v@k2=v2'`` -> ``('nixl', {k: v, k2: v2})``: a NixlEC deployment with extra-config
+    settings (values as JSON where they parse, else strings). ValueError names a malformed one."""
+    base, *pairs = name.split("@")
+    if pairs and base not in ("nixl", "nixl-seq"):
+        raise ValueError(f"settings (@key=value) are for nixl and nixl-seq deployments, not {base!r}")
+    extra: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not key or not eq:
+            raise ValueError(f"deployment {name!r}: {pair!r} is not key=value")
+        try:
+            extra[key] = json.loads(value)
+        except ValueError:
+            extra[key] = value
+    return base, extra
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ec-nixl bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench-serve-out"), help="logs, per-run results, tiny model")
     p.add_argument("--model", default=None, help="model path (default: build the tiny Qwen2-VL under --out)")
-    p.add_argument("--deployments", default=DEFAULT_DEPLOYMENTS, help=f"comma list of {', '.join(DEPLOYMENTS)}")
+    p.add_argument("--deployments", default=DEFAULT_DEPLOYMENTS,
+                   help=f"comma list of {', '.join(DEPLOYMENTS)}; nixl@key=value adds an ec_connector_extra_config "
+                        f"setting (e.g. nixl,nixl@gil_switch_interval_s=null)")
     p.add_argument("--reference", default="example", help="deployment the ratios divide by")
     p.add_argument("--concurrency", default="1,4,8", help="comma list (default 1,4,8)")
     p.add_argument("--images", default="1,2", help="images per request, comma list (default 1,2)")
@@ -118,8 +141,8 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
         return
     # The launcher picks each connector's proxy flow (ECMooncake: push to the PD named in the E
     # request; others E then PD); nixl asks for the overlapped flow.
+    name, extra = split_variant(name)
     proxy_args = ["--flow", "overlap"] if name == "nixl" else []
-    extra: dict[str, Any] = {}
     cuda = _cuda()
     if name == "mooncake":
         extra = {"mooncake_protocol": "rdma" if cuda else "tcp"}
@@ -399,7 +422,11 @@ def plot(path: str, summary: list[dict]) -> None:
 def main(argv: Optional[list] = None) -> int:
     args = parser().parse_args(argv)
     deps = [d.strip() for d in args.deployments.split(",") if d.strip()]
-    bad = [d for d in deps if d not in DEPLOYMENTS]
+    try:
+        bad = [d for d in deps if split_variant(d)[0] not in DEPLOYMENTS]
+    except ValueError as e:
+        print(f"ec-nixl bench serve: {e}", file=sys.stderr)
+        return 2
     if bad or args.reference not in deps:
         print(f"ec-nixl bench serve: unknown deployment(s) {bad} or reference {args.reference!r} not among "
               f"{deps}; known: {', '.join(DEPLOYMENTS)}", file=sys.stderr)
@@ -425,7 +452,7 @@ def main(argv: Optional[list] = None) -> int:
     phases: list[dict] = []
     for rnd in range(args.rounds):
         for i, d in enumerate(deps):
-            tag = f"r{rnd}-{d}"
+            tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"r{rnd}-{d}")  # a folder name (d may carry @key=value)
             t0 = time.monotonic()
             try:
                 with deployment(d, model, args.port + 100 * i, args.out / tag, vllm_args) as urls:
