@@ -306,6 +306,17 @@ def test_handoff_trace_probe_traces_a_write_at_publish():
         assert f"    {step} " in r.stdout, r.stdout[-2000:]
 
 
+@pytest.mark.parametrize("extra", [[], ["--op", "WRITE", "--notif"]])
+def test_step_floor_probe_runs(extra):
+    """bench/probes/step_floor.py (a step's bytes cut into NIXL operations in different ways) keeps
+    working on DRAM: two processes, real READs (bytes checked) or WRITEs with a notification,
+    each case with its descriptor count and the post alone."""
+    r = _probe("step_floor.py", "--device", "cpu", "--size", "64K", "--items", "4", "--n", "5", *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("WRITE + notification of 4 x" if extra else "READ of 4 x") in r.stdout, r.stdout[-2000:]
+    assert r.stdout.count("post alone") == 4 and "bytes landed as written: True" in r.stdout, r.stdout[-2000:]
+
+
 def test_zmq_hop_probe_runs():
     """bench/probes/zmq_hop.py (what one control-plane round trip costs) keeps working: a pipe, a
     plain socket and ZMQ over tcp, each side blocking or spinning."""
