@@ -89,9 +89,10 @@ class EndpointConfig:
     gil_switch_interval_s: Optional[float] = 0.0002
     """With an I/O thread: lower the interpreter's GIL switch interval (``sys.setswitchinterval``,
     5 ms by default) to this, never raise it. A thread that wants the GIL while another runs
-    Python waits up to that interval before CPython makes the other let go: while vLLM's runner
-    thread went on with its step after a publish, the I/O thread answered the waiting request
-    5-10 ms late instead of in ~0.1 ms (bench/probes/handoff_trace.py ``--spin-ms``). It costs a
+    Python waits up to that interval before CPython makes the other let go, and again after each
+    call that released it. While the publishing thread (vLLM's runner) went on running Python
+    for 2 ms after a publish, the waiting consumer's barrier returned at 2.1-2.4 ms with 5 ms and
+    at 0.6-0.7 ms with 0.2 ms (H100, bench/probes/handoff_trace.py ``--spin-ms``). It costs a
     thread that runs Python only when another one wants the GIL; ours sleeps in its poller until
     a message arrives. Process-wide (the interpreter has one); None leaves it alone."""
     free_when_consumed: bool = True
