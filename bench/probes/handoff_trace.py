@@ -24,7 +24,12 @@ parks a Push at the producer; the publish starts the WRITE into the consumer's s
     publish_slot returned | the producer's loop answers | WRITE posted | the consumer sees the
     WRITE's notification | barrier returned
 
-(the READ control is then skipped: the item is not held).
+(the READ control is then skipped: the item is not held). ``--marks`` also stamps the producer's
+steps from taking the parked Push to the post (``_push``, ``claim_pushes``, the pusher, the post).
+
+``--spin-ms`` keeps the producer's publishing thread running Python after each publish, as vLLM's
+runner goes on with its step (with ``--gil-switch-ms``: how long our I/O thread then waits for
+the GIL); ``--no-progress-thread`` runs the producer's agent without NIXL's progress thread.
 
     python bench/probes/handoff_trace.py [--device cpu|cuda] [--size 64K] [--n 60] [--quiet-ms MS] [--touch] [--busy]
                                          [--write [--marks]] [--no-progress-thread]
@@ -44,10 +49,6 @@ STEPS = ("publish_slot returned", "answer_parked entered", "Grant sent", "consum
          "load() returned", "barrier returned")
 WRITE_STEPS = ("publish_slot returned", "answer_parked entered", "WRITE posted", "consumer saw WRITE done",
                "barrier returned")
-
-
-MARKED = ("_push", "claim_pushes", "pusher.add", "pusher.poll", "is_ready", "post_many")
-"""--marks: the producer's steps between its loop taking the parked Push and the WRITE's post."""
 
 
 def mark_calls(ep, marks: dict) -> None:
