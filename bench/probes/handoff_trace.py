@@ -146,6 +146,12 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: 
     ep.close()
 
 
+def _spread(seconds: list[float]) -> str:
+    """p50, p10 and p90 of ``seconds``, in microseconds."""
+    xs = sorted(x * 1e6 for x in seconds)
+    return f"p50 {statistics.median(xs):8.1f}   p10 {xs[len(xs) // 10]:8.1f}   p90 {xs[9 * len(xs) // 10]:8.1f}"
+
+
 def keep_busy(stop) -> None:
     """``--busy``: tiny kernels on a stream of their own until ``stop``."""
     import torch
@@ -291,15 +297,13 @@ def main() -> None:
     print(f"{args.device} {args.size}{' write' if args.write else ''}: {len(rows)} hand-offs, "
           f"microseconds after publishing began")
     for k, name in enumerate(WRITE_STEPS if args.write else STEPS):
-        xs = sorted(r[k] * 1e6 for r in rows)
-        print(f"  {name:24s} p50 {statistics.median(xs):8.1f}   p10 {xs[len(xs) // 10]:8.1f}   "
-              f"p90 {xs[9 * len(xs) // 10]:8.1f}")
-    if args.write:
-        names = sorted({k for m in extra for k in m}, key=lambda k: statistics.median(m.get(k, 1e9) for m in extra))
+        print(f"  {name:24s} {_spread([r[k] for r in rows])}")
+    if args.write:  # --marks: the producer's steps, in the order they happen
+        names = sorted({k for m in extra for k in m},
+                       key=lambda k: statistics.median(m.get(k, float("inf")) for m in extra))
         for name in names:
-            xs = sorted(m[k] * 1e6 for m in extra for k in (name,) if k in m)
-            print(f"    {name:22s} p50 {statistics.median(xs):8.1f}   p10 {xs[len(xs) // 10]:8.1f}   "
-                  f"p90 {xs[9 * len(xs) // 10]:8.1f}   (n={len(xs)})")
+            xs = [m[name] for m in extra if name in m]
+            print(f"    {name:22s} {_spread(xs)}   (n={len(xs)})")
         return
     first = sorted(a * 1e6 for a, _ in again)
     hot = sorted(b * 1e6 for _, b in again)
