@@ -297,23 +297,30 @@ def test_handoff_trace_probe_traces_a_write_at_publish():
     """The same with --write (``expect-write``): a parked Push on a write-mode link, real NIXL
     DRAM WRITEs started by the publish, the WRITE's post and its notification stamped; --marks
     stamps the producer's steps from the parked Push to the post (here with the producer's NIXL
-    progress thread off, --no-progress-thread: its loop then drives UCX)."""
-    r = _probe("handoff_trace.py", "--size", "64K", "--n", "6", "--write", "--marks", "--no-progress-thread")
+    progress thread off, --no-progress-thread: its loop then drives UCX, which --hot-loop keeps
+    polling without ever blocking); "made" splits NIXL's make from its post."""
+    r = _probe("handoff_trace.py", "--size", "64K", "--n", "6", "--write", "--marks", "--no-progress-thread",
+               "--hot-loop")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "64K write: 6 hand-offs" in r.stdout, r.stdout[-2000:]
     assert "WRITE posted" in r.stdout and "consumer saw WRITE done" in r.stdout, r.stdout[-2000:]
-    for step in ("_push>", "claim_pushes<", "is_ready=T", "post_many>", "post_many<"):
+    for step in ("_push>", "claim_pushes<", "is_ready=T", "post_many>", "made", "post_many<"):
         assert f"    {step} " in r.stdout, r.stdout[-2000:]
 
 
-@pytest.mark.parametrize("extra", [[], ["--op", "WRITE", "--notif"]])
+@pytest.mark.parametrize("extra", [[], ["--op", "WRITE", "--notif", "--gap-ms", "1", "--thread", "--prog-thread"]])
 def test_step_floor_probe_runs(extra):
     """bench/probes/step_floor.py (a step's bytes cut into NIXL operations in different ways) keeps
     working on DRAM: two processes, real READs (bytes checked) or WRITEs with a notification,
-    each case with its descriptor count and the post alone."""
+    each case with its descriptor count and the post alone; the WRITEs here 1 ms apart, posted
+    from a thread of their own, with NIXL's progress thread on."""
     r = _probe("step_floor.py", "--device", "cpu", "--size", "64K", "--items", "4", "--n", "5", *extra)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert ("WRITE + notification of 4 x" if extra else "READ of 4 x") in r.stdout, r.stdout[-2000:]
+    head = ("WRITE + notification of 4 x" if extra else "READ of 4 x")
+    assert head in r.stdout, r.stdout[-2000:]
+    if extra:
+        assert ("1 ms apart (asleep in between), NIXL's progress thread on, posted from a thread that never "
+                "touched CUDA") in r.stdout, r.stdout[-2000:]
     assert r.stdout.count("post alone") == 4 and "bytes landed as written: True" in r.stdout, r.stdout[-2000:]
 
 

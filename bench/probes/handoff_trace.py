@@ -25,14 +25,16 @@ parks a Push at the producer; the publish starts the WRITE into the consumer's s
     WRITE's notification | barrier returned
 
 (the READ control is then skipped: the item is not held). ``--marks`` also stamps the producer's
-steps from taking the parked Push to the post (``_push``, ``claim_pushes``, the pusher, the post).
+steps from taking the parked Push to the post (``_push``, ``claim_pushes``, the pusher, the post;
+"made": NIXL's make is done and its post begins).
 
 ``--spin-ms`` keeps the producer's publishing thread running Python after each publish, as vLLM's
 runner goes on with its step (with ``--gil-switch-ms``: how long our I/O thread then waits for
-the GIL); ``--no-progress-thread`` runs the producer's agent without NIXL's progress thread.
+the GIL); ``--no-progress-thread`` runs the producer's agent without NIXL's progress thread;
+``--hot-loop`` keeps its I/O thread polling without ever blocking (a probe-only patch).
 
     python bench/probes/handoff_trace.py [--device cpu|cuda] [--size 64K] [--n 60] [--quiet-ms MS] [--touch] [--busy]
-                                         [--write [--marks]] [--no-progress-thread]
+                                         [--write [--marks]] [--no-progress-thread] [--hot-loop]
                                          [--spin-ms MS] [--gil-switch-ms MS]
 """
 
@@ -76,11 +78,30 @@ def mark_calls(ep, marks: dict) -> None:
     wrap("pusher.poll", srv.pusher, "poll")
     wrap("post_many", ep.transport, "post_many")
     wrap("is_ready", Item, "is_ready")
+    split_post(ep, marks)
+
+
+def split_post(ep, marks: dict) -> None:
+    """Stamp "made" between NIXL's make and post of the transport's requests (nixl 1.5.1's
+    bindings, as ``transport.nixl_calls`` calls them): the WRITE's post alone, without its make."""
+    import nixl._api as api
+
+    agent = ep.transport._agent
+    bind, ops, b = agent.agent, agent.nixl_ops, api.nixlBind
+    states = {int(b.NIXL_SUCCESS): "DONE", int(b.NIXL_IN_PROG): "PROC"}
+
+    def post(op, local, li, remote, ri, notif):
+        h = api.nixl_xfer_handle(bind, bind.makeXferReq(ops[op], local._handle, li, remote._handle, ri, notif, [],
+                                                        False))
+        marks.setdefault("made", time.perf_counter())
+        return h, states.get(bind.postXferReq(h._handle, notif).value, "ERR")
+
+    ep.transport._post = post
 
 
 def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: float = 0.0,
              write: bool = False, marked: bool = False, prog_thread: bool | None = None,
-             spin_s: float = 0.0, gil: dict | None = None) -> None:
+             spin_s: float = 0.0, gil: dict | None = None, hot_loop: bool = False) -> None:
     import torch
 
     from ec_nixl.config import EndpointConfig
@@ -112,6 +133,8 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: 
     ep.transport.post_many = timed_post
     if marked:
         mark_calls(ep, marks)
+    if hot_loop:  # --hot-loop: the I/O thread polls without blocking (its core never idles)
+        ep.loop._idle_timeout = lambda: 0.0
     waits_for = "pushes_parked" if write else "holds_parked"
     rates: list[float] = []  # --spin-ms: the publishing thread's loop iterations per ms (what the I/O thread costs it)
     conn.send(ep.address)
@@ -188,6 +211,9 @@ def main() -> None:
                          "EndpointConfig's)")
     ap.add_argument("--no-progress-thread", action="store_true",
                     help="the producer's NIXL agent runs without its progress thread (its loop drives UCX)")
+    ap.add_argument("--hot-loop", action="store_true",
+                    help="the producer's I/O thread never blocks between rounds (a probe-only patch): is the "
+                         "cost of its NIXL calls the cost of waking an idle core?")
     args = ap.parse_args()
     from ec_nixl.bench.units import parse_size
 
@@ -206,7 +232,8 @@ def main() -> None:
                                               args.write, args.marks,
                                               False if args.no_progress_thread else None, args.spin_ms / 1e3,
                                               None if args.gil_switch_ms is None else
-                                              {"gil_switch_interval_s": args.gil_switch_ms / 1e3 or None}), daemon=True)
+                                              {"gil_switch_interval_s": args.gil_switch_ms / 1e3 or None},
+                                              args.hot_loop), daemon=True)
     proc.start()
     addr = here.recv()
     ep = Endpoint(EndpointConfig(name="trace-cons", device=args.device, pool_bytes=max(64 << 20, 8 * nbytes),
