@@ -82,20 +82,30 @@ def mark_calls(ep, marks: dict) -> None:
 
 
 def split_post(ep, marks: dict) -> None:
-    """Stamp "made" between NIXL's make and post of the transport's requests (nixl 1.5.1's
-    bindings, as ``transport.nixl_calls`` calls them): the WRITE's post alone, without its make."""
-    import nixl._api as api
+    """Stamp "made" between NIXL's make and post of the transport's requests: the transport's own
+    post (``transport.nixl_calls``) over NIXL's bindings, whose ``makeXferReq`` stamps its return."""
+    from ec_nixl.transport import nixl_calls
 
     agent = ep.transport._agent
-    bind, ops, b = agent.agent, agent.nixl_ops, api.nixlBind
-    states = {int(b.NIXL_SUCCESS): "DONE", int(b.NIXL_IN_PROG): "PROC"}
+    bind = agent.agent
 
-    def post(op, local, li, remote, ri, notif):
-        h = api.nixl_xfer_handle(bind, bind.makeXferReq(ops[op], local._handle, li, remote._handle, ri, notif, [],
-                                                        False))
-        marks.setdefault("made", time.perf_counter())
-        return h, states.get(bind.postXferReq(h._handle, notif).value, "ERR")
+    class Stamped:  # the bindings, with the make stamped
+        def __getattr__(self, attr):
+            return getattr(bind, attr)
 
+        @staticmethod
+        def makeXferReq(*args):
+            req = bind.makeXferReq(*args)
+            marks.setdefault("made", time.perf_counter())
+            return req
+
+    class Agent:  # what nixl_calls reads of a nixl_agent on its bindings path
+        nixl_ops = agent.nixl_ops
+
+    Agent.agent = Stamped()
+    post, _ = nixl_calls(Agent())
+    if post.via != "bindings":
+        raise RuntimeError("--marks: this NIXL has no bindings path to split make from post")
     ep.transport._post = post
 
 

@@ -48,11 +48,13 @@ def _agent(name: str, cuda: bool, prog_thread: bool = False):
     ec-nixl serving endpoint's (asleep on UCX's fds up to 10 ms, a mutex-guarded UCX worker)."""
     from nixl._api import nixl_agent_config
 
-    from ec_nixl.transport import _new_agent
+    from ec_nixl.transport import _new_agent, _with_mt_mutex
 
     a = _new_agent(name, nixl_agent_config(backends=[], capture_telemetry=True, enable_prog_thread=prog_thread),
                    0.01)
-    engine = ",".join((["CUDA_IPC_ENABLE_GET_ZCOPY=y"] if cuda else []) + (["USE_MT_MUTEX=y"] if prog_thread else []))
+    engine = "CUDA_IPC_ENABLE_GET_ZCOPY=y" if cuda else ""
+    if prog_thread:
+        engine = _with_mt_mutex(engine)
     a.create_backend("UCX", {"engine_config": engine} if engine else {})
     return a
 
