@@ -44,6 +44,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from ec_nixl.bench import request_trace
+
 DEPLOYMENTS = ("colocated", "nixl", "nixl-seq", "example", "mooncake")
 DEFAULT_DEPLOYMENTS = "colocated,nixl,example,mooncake"
 CONNECTOR = {"nixl": "NixlECConnector", "nixl-seq": "NixlECConnector", "example": "ECExampleConnector",
@@ -56,17 +58,23 @@ POOL_BYTES = 256 << 20  # ec_buffer_size of the NixlEC and ECMooncake instances 
 
 # One process per deployment and round runs every (images, concurrency) point: vLLM's import
 # costs ~10 s here, paid once.
+# Each point's wall-clock window goes to the file named second: the engines' request traces are
+# split by it (request_trace).
 DRIVER = r"""
-import argparse, json, sys
+import argparse, json, sys, time
 from vllm.benchmarks import serve
-points, common = json.loads(sys.argv[1]), sys.argv[2:]
+points, windows, common = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3:]
+spans = {}
 for pt in points:
     p = argparse.ArgumentParser(); serve.add_cli_args(p)
     a = p.parse_args(common + pt["argv"])
+    t0 = time.time()
     try:
         serve.main(a)
     except Exception as e:  # one point failing must not lose the others
         print(f"bench point {pt['tag']} failed: {e!r}", flush=True)
+    spans[pt["tag"]] = [t0, time.time()]
+    open(windows, "w").write(json.dumps(spans))
 """
 
 
@@ -128,6 +136,7 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
     from ec_nixl.disagg.launcher import Cluster, Instance, LaunchConfig, Supervisor, instance_env, vllm_argv
 
     env = _env(_root())
+    env[request_trace.ENV] = str(log_dir / "trace")  # every engine's per-request scheduling trace
     if name == "colocated":
         cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
         inst = Instance(name="colocated", role="baseline", port=port, log_path=log_dir / "colocated.log",
@@ -137,7 +146,8 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
         with Supervisor() as sup:
             sup.spawn(inst)
             sup.wait_healthy([inst], 900.0)
-            yield {"url": inst.url, "pd": inst.url, "e_ec": None, "procs": {"colocated": inst.proc.pid}}
+            yield {"url": inst.url, "pd": inst.url, "e_ec": None, "procs": {"colocated": inst.proc.pid},
+                   "trace": log_dir / "trace", "pd_role": "colocated"}
         return
     # The launcher picks each connector's proxy flow (ECMooncake: push to the PD named in the E
     # request; others E then PD); nixl asks for the overlapped flow.
@@ -163,7 +173,8 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
         ec = e.ec_transfer_config or {}
         e_ec = f"{ec.get('ec_ip')}:{ec.get('ec_port')}" if CONNECTOR[name] == "NixlECConnector" else None
         procs = {i.name: i.proc.pid for i in c.instances + [c.proxy] if i is not None and i.proc is not None}
-        yield {"url": c.proxy_url, "pd": pd.url, "e_ec": e_ec, "procs": procs}
+        yield {"url": c.proxy_url, "pd": pd.url, "e_ec": e_ec, "procs": procs, "trace": log_dir / "trace",
+               "pd_role": "ec_consumer"}
 
 
 def _cuda() -> bool:
@@ -320,8 +331,10 @@ def points(args) -> list[tuple[int, int]]:
     return [(i, c) for i in imgs for c in conc]
 
 
-def drive(args, model: str, url: str, tag: str, rnd: int, out: Path) -> list[dict]:
-    """Every (images, concurrency) point against ``url`` in one benchmark process."""
+def drive(args, model: str, urls: dict, tag: str, rnd: int, out: Path) -> list[dict]:
+    """Every (images, concurrency) point against ``urls["url"]`` in one benchmark process; each
+    row carries the PD's (and E's) queue time and steps waited from the engines' traces."""
+    url = urls["url"]
     buckets = "{" + ",".join(f"({w},{h},1):{1 / len(args.sizes):.4f}" for w, h in args.sizes) + "}"
     common = ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
               "--model", model, "--tokenizer", model, "--dataset-name", "random-mm",
@@ -337,17 +350,27 @@ def drive(args, model: str, url: str, tag: str, rnd: int, out: Path) -> list[dic
             "--random-mm-limit-mm-per-prompt", json.dumps({"image": images, "video": 0}),
             "--result-filename", name]})
     env = {**os.environ, **_env(_root())}
-    p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(pts), *common], capture_output=True, text=True,
-                       env=env, timeout=3600)
+    windows = out / f"{tag}.windows.json"
+    p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(pts), str(windows), *common], capture_output=True,
+                       text=True, env=env, timeout=3600)
     (out / f"{tag}.bench.log").write_text(p.stdout + p.stderr)
+    spans = json.loads(windows.read_text()) if windows.exists() else {}
+    pd_trace = request_trace.read(urls["trace"], urls["pd_role"]) if urls.get("trace") else []
+    e_trace = request_trace.read(urls["trace"], "ec_producer") if urls.get("trace") else []
     rows = []
     for pt in pts:
         f = out / pt["tag"]
         res = json.loads(f.read_text()) if f.exists() else {}
+        span = spans.get(pt["tag"])
         rows.append({"images": pt["images"], "concurrency": pt["concurrency"],
                      "completed": res.get("completed", 0), "failed": res.get("failed", args.prompts if not res else 0),
                      "req_s": res.get("request_throughput"), "ttft_p50_ms": res.get("p50_ttft_ms"),
-                     "ttft_p99_ms": res.get("p99_ttft_ms"), "e2el_p50_ms": res.get("p50_e2el_ms")})
+                     "ttft_p99_ms": res.get("p99_ttft_ms"), "e2el_p50_ms": res.get("p50_e2el_ms"),
+                     "pd_queue": request_trace.summarize(pd_trace, *span) if span else {},
+                     "e_queue": request_trace.summarize(e_trace, *span) if span else {}})
+        q = rows[-1]["pd_queue"]
+        rows[-1].update(pd_queue_p50_ms=q.get("queue_p50_ms"), pd_steps_mean=q.get("steps_mean"),
+                        pd_step_ms=q.get("step_ms"))
     return rows
 
 
@@ -364,11 +387,15 @@ def summarize(rows: list[dict], deps: list[str], ref: str) -> list[dict]:
             s: dict[str, Any] = {"images": images, "concurrency": conc, "deployment": d, "rounds": len(mine),
                                  "failed": sum(r["failed"] or 0 for r in mine),
                                  "completed": sum(r["completed"] or 0 for r in mine)}
-            for k in ("ttft_p50_ms", "ttft_p99_ms", "req_s"):
-                vals = [r[k] for r in mine if r[k]]
-                s[k] = round(statistics.median(vals), 2) if vals else None
+            for k in ("pd_steps_mean", "pd_step_ms"):
+                vals = [r[k] for r in mine if r.get(k) is not None]
+                s[k] = round(statistics.median(vals), 3) if vals else None
+            for k in ("ttft_p50_ms", "ttft_p99_ms", "req_s", "pd_queue_p50_ms"):
+                vals = [r[k] for r in mine if r.get(k) is not None]
+                s[k] = round(statistics.median(vals), 3 if k == "pd_queue_p50_ms" else 2) if vals else None
                 ratios = sorted(a[k] / b[k] for a in mine for b in at
-                                if b["deployment"] == ref and b["round"] == a["round"] and a[k] and b[k])
+                                if b["deployment"] == ref and b["round"] == a["round"] and a.get(k) is not None
+                                and b.get(k))
                 s[f"{k}_ratio"] = ([round(statistics.median(ratios), 3), round(ratios[0], 3), round(ratios[-1], 3)]
                                    if ratios and d != ref else None)
             out.append(s)
@@ -386,6 +413,20 @@ def table(summary: list[dict], ref: str) -> str:
         lines.append(f"| {s['images']} | {s['concurrency']} | {s['deployment']} | {s['ttft_p50_ms']} | "
                      f"{s['ttft_p99_ms']} | {s['req_s']} | {s['failed']} of {s['failed'] + s['completed']} | "
                      f"{ratio(s['ttft_p50_ms_ratio'])} | {ratio(s['ttft_p99_ms_ratio'])} | {ratio(s['req_s_ratio'])} |")
+    return "\n".join(lines)
+
+
+def queue_table(summary: list[dict], ref: str) -> str:
+    """Where the PD's requests waited: vLLM's queue time (added to the scheduler -> first scheduled)
+    and the engine steps in between, from the engines' traces (the colocated instance for
+    ``colocated``)."""
+    lines = [f"| images | conc | deployment | PD queue p50 ms | ÷ {ref} | steps waited (mean) | one step ms |",
+             "|---|---|---|---|---|---|---|"]
+    for s in summary:
+        r = s.get("pd_queue_p50_ms_ratio")
+        lines.append(f"| {s['images']} | {s['concurrency']} | {s['deployment']} | {s.get('pd_queue_p50_ms')} | "
+                     f"{f'{r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})' if r else '—'} | {s.get('pd_steps_mean')} | "
+                     f"{s.get('pd_step_ms')} |")
     return "\n".join(lines)
 
 
@@ -457,7 +498,7 @@ def main(argv: Optional[list] = None) -> int:
             try:
                 with deployment(d, model, args.port + 100 * i, args.out / tag, vllm_args) as urls:
                     before, threads_before = cpu_seconds(urls["procs"]), thread_seconds(urls["procs"])
-                    got = drive(args, model, urls["url"], tag, rnd, args.out)
+                    got = drive(args, model, urls, tag, rnd, args.out)
                     cpu = {k: round(v - before[k], 3) for k, v in cpu_seconds(urls["procs"]).items() if k in before}
                     threads = {k: round(v - threads_before.get(k, 0.0), 3)
                                for k, v in thread_seconds(urls["procs"]).items()}
@@ -479,6 +520,9 @@ def main(argv: Optional[list] = None) -> int:
     summary = summarize(rows, deps, args.reference)
     print()
     print(table(summary, args.reference))
+    print("\nPD queue (vLLM's queue time: added to the scheduler -> first scheduled; medians of rounds; "
+          "steps: engine steps it waited, 0 = the first step after it arrived):")
+    print(queue_table(summary, args.reference))
     print("\nconnector phases (means, ms; PD's /metrics and E's side channel at the end of each run):")
     for ph in phases:
         if ph["pd"] or ph["e"]:

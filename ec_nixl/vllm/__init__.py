@@ -8,6 +8,7 @@ entry point registers the name in every vLLM process), or without the plugin thr
 from __future__ import annotations
 
 import logging
+import os
 
 NAME = "NixlECConnector"
 SUPPORTED_VLLM = ((0, 32), (0, 35))
@@ -16,12 +17,20 @@ SUPPORTED_VLLM = ((0, 32), (0, 35))
 
 
 def register() -> None:
-    """Register NixlECConnector with vLLM's factory; idempotent, imports nothing heavy."""
+    """Register NixlECConnector with vLLM's factory; idempotent, imports nothing heavy.
+
+    Under ``ec-nixl bench serve`` (``EC_NIXL_BENCH_TRACE_DIR`` set) it also installs the bench's
+    per-request scheduling trace, in every instance whatever its connector
+    (``ec_nixl.bench.request_trace``)."""
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
     if NAME not in ECConnectorFactory._registry:
         ECConnectorFactory.register_connector(NAME, "ec_nixl.vllm.connector", NAME)
         warn_if_untested()
+    if os.environ.get("EC_NIXL_BENCH_TRACE_DIR"):
+        from ec_nixl.bench.request_trace import install
+
+        install()
 
 
 def warn_if_untested() -> bool:
