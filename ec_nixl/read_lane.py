@@ -29,6 +29,10 @@ _PENDING, _READ = TicketState.PENDING, Phase.READ
 ROUND_EVERY_S = 0.001
 """While a waiter polls its own READs, it still runs a full loop round this often (heartbeats,
 grants and messages of other work must not starve)."""
+SPIN_S = 0.0005
+"""While a waiter's tickets wait for a message (a Grant, a WRITE's notification), it spins this
+long, then blocks in the poller between rounds (``OwnerLoop.wait_round``): on a host with few
+cores, a PD worker spinning for its Grant took the core its producer needed to answer it."""
 
 
 def _all_reading(tickets: list[LoadTicket]) -> bool:
@@ -231,7 +235,8 @@ class ReadLane:
         # (``t.state is _PENDING``, not the ``pending`` property: a property call per ticket per
         # round costs ~5.5 us more for 32 tickets on the 2-core dev box, on the spin loop's path)
         pending = [t for t in tickets if t.state is _PENDING]
-        next_round = time.monotonic() + ROUND_EVERY_S
+        start = time.monotonic()
+        spin_until, next_round = start + SPIN_S, start + ROUND_EVERY_S
         while pending:
             now = time.monotonic()
             if now >= deadline:
@@ -252,7 +257,10 @@ class ReadLane:
                     elif time.monotonic() >= next_round:
                         break
             else:
-                self.loop.progress(0.0)
+                if now < spin_until:
+                    self.loop.progress(0.0)
+                else:
+                    self.loop.wait_round(min(ROUND_EVERY_S, deadline - now))
                 next_round = time.monotonic() + ROUND_EVERY_S
             pending = [t for t in pending if t.state is _PENDING]
         if settle:
