@@ -35,6 +35,9 @@ COUNTERS = (
     "reserve_failures",  # producer: publishes/reserves that failed for space (PoolExhausted)
     "admitted",  # consumer scheduler: requests with remote items admitted
     "admission_steps",  # consumer scheduler: engine steps those requests waited from first sight
+    "early_admissions",  # consumer scheduler: of admitted, admitted before their Holds answered
+    "early_reverted",  # consumer scheduler: early items a Hold refused before they were scheduled (gated again)
+    "unplaced_loads",  # consumer scheduler: loads sent to the workers without a place (they ask for it: a Get)
     "holds_parked",  # producer: Holds and Gets that waited for items not published yet (wait_s)
     "pushes_parked",  # producer: Pushes that waited for items not published yet (Push.wait_s)
     "expected_items",  # consumer scheduler: items asked for before their encoder finished (ec_nixl_expect)
@@ -45,6 +48,7 @@ PHASES = (
     "hold_rtt",  # consumer scheduler: Hold sent -> its answer received
     "expect_wait",  # consumer scheduler: Hold for items not yet encoded sent -> answered (they were published)
     "hold_seen",  # consumer scheduler: Hold sent -> its answer used by a scheduling step
+    "place_wait",  # consumer scheduler: a step's wait for the Holds of its early-admitted loads
     "publish",  # producer worker: a step's outputs pinned (flush_publish)
 )
 """Named durations of a request's control path, sampled per occurrence (seconds): together with

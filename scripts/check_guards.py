@@ -55,7 +55,8 @@ class Breakage:
 BREAKAGES: tuple[Breakage, ...] = (
     Breakage(
         name="scheduler-has-item-before-hold",
-        guarantee="has_cache_item is True only for items whose producer confirmed the hold",
+        guarantee="has_cache_item is True only for items whose producer confirmed the hold, or that were "
+                  "admitted early (a gated request's items wait for their Holds)",
         file="ec_nixl/vllm/scheduler.py",
         old="""    def has_cache_item(self, identifier: str) -> bool:
         return identifier in self._ready
@@ -68,7 +69,8 @@ BREAKAGES: tuple[Breakage, ...] = (
     ),
     Breakage(
         name="scheduler-admits-before-hold",
-        guarantee="ensure_cache_available admits a request only once every remote item is held",
+        guarantee="ensure_cache_available admits a gated request (e.g. metadata-only) only once every remote "
+                  "item is held",
         file="ec_nixl/vllm/scheduler.py",
         old="""            pending |= it.status == "holding"
 """,
@@ -76,6 +78,33 @@ BREAKAGES: tuple[Breakage, ...] = (
 """,
         tests=("tests/test_vllm_adapter.py",),
         expect=("test_no_admission_while_a_hold_is_outstanding",),
+    ),
+    Breakage(
+        name="scheduler-gates-every-request",
+        guarantee="a request whose remote items carry their media, from a connected producer, is "
+                  "scheduled in the step a local cache hit would be (it does not wait for a Hold)",
+        file="ec_nixl/vllm/scheduler.py",
+        old="""        if not self.opts.early_admission or self.opts.fallback != "auto" or adm.failed or adm.expected \\
+                or not adm.items:
+            return False
+""",
+        new="""        return False  # BROKEN: every request waits for its Holds again (a step or more under load)
+""",
+        tests=("tests/test_vllm_adapter.py", "tests/test_vllm_mrv2.py"),
+        expect=("test_request_with_its_media_is_admitted_in_its_first_step",
+                "test_request_with_its_media_is_scheduled_by_the_first_step_after_it_arrives"),
+    ),
+    Breakage(
+        name="early-admission-ignores-silence",
+        guarantee="a producer that leaves a Hold unanswered gets no early admissions (no step waits on it)",
+        file="ec_nixl/vllm/scheduler.py",
+        old="""                if hr is not None and not hr.done and not hr.wait_s and it.remote.producer == producer \\
+                        and now - hr.t_asked > _SILENT_S:
+""",
+        new="""                if False:  # BROKEN: a silent producer still gets early admissions
+""",
+        tests=("tests/test_vllm_adapter.py",),
+        expect=("test_a_silent_producer_gets_no_early_admissions",),
     ),
     Breakage(
         name="read-lands-when-posted",

@@ -522,14 +522,15 @@ def test_load_specs_carry_the_holding_producers_incarnation(producer, consumer_s
 
 
 def test_no_admission_while_a_hold_is_outstanding(producer, consumer_sides):
-    """Admission gating asked mid-hold: while a producer has not answered the Hold for an item
-    (it is frozen with SIGSTOP after the handshake), the request is not admitted and
-    has_cache_item says False on every step, so vLLM plans no load for it; once the producer
-    answers, both say yes and the worker loads the item byte-exact."""
+    """Gated admission asked mid-hold: a request whose item carries no media (a miss would fail
+    it, so it is never admitted early) is not admitted while its producer has not answered the
+    Hold (it is frozen with SIGSTOP after the handshake), and has_cache_item says False on every
+    step, so vLLM plans no load for it; once the producer answers, both say yes and the worker
+    loads the item byte-exact."""
     vc, sched, worker = consumer_sides({"peer_timeout_s": "10"})
     producer.call("publish", [("warm", (ROWS, WIDTH), "bfloat16", 1), ("held", (ROWS, WIDTH), "bfloat16", 2)])
     assert admit(sched, request("w", [feature("warm")], params_for("warm", producer.address)))  # handshake done
-    req = request("h", [feature("held")], params_for("held", producer.address))
+    req = request("h", [feature("held", media=False)], params_for("held", producer.address))
     producer.stop()
     try:
         for _ in range(20):  # ~20 engine steps while the Hold is outstanding
@@ -546,3 +547,102 @@ def test_no_admission_while_a_hold_is_outstanding(producer, consumer_sides):
     cache: dict = {}
     worker.start_load_caches(cache, meta)
     assert digest(cache["held"]) == digest(make_item(2, (ROWS, WIDTH), "bfloat16"))
+
+
+def _warm(sched, producer) -> None:
+    """A first request connects the scheduler to ``producer`` (gated: its link is new)."""
+    producer.call("publish", [("warm", (ROWS, WIDTH), "bfloat16", 1)])
+    assert admit(sched, request("w", [feature("warm")], params_for("warm", producer.address)))
+    sched.request_finished(request("w", [feature("warm")]))
+    sched.build_connector_meta(None)
+    sched.metrics.snapshot(reset=True)  # the counters below are the test's own
+
+
+def test_request_with_its_media_is_admitted_in_its_first_step(producer, consumer_sides):
+    """Early admission, counted in steps: on a busy engine, with its producer connected, a request
+    whose item carries its media is admitted by its first ensure_cache_available, the step a local
+    cache hit would be, before any Hold could be answered: the producer is frozen (SIGSTOP) from
+    before the request arrives until the step's metadata is built, so the order does not depend on
+    timing. The load goes to the worker without a place; the producer resumes and the worker asks
+    for the item itself (a Get), byte-exact. A second request, with the end-of-step wait allowed,
+    gets its place from its Hold: the worker READs at once (no Get)."""
+    import types
+
+    vc, sched, worker = consumer_sides({"admission_wait_s": "0"})
+    _warm(sched, producer)
+    producer.call("publish", [("early", (ROWS, WIDTH), "bfloat16", 11), ("placed", (ROWS, WIDTH), "bfloat16", 12)])
+    busy = types.SimpleNamespace(total_num_scheduled_tokens=64)
+    sched.build_connector_meta(busy)  # the previous step ran other requests
+    req = request("e", [feature("early")], params_for("early", producer.address))
+    producer.stop()
+    try:
+        assert sched.ensure_cache_available(req, 0) is True, "a request with its media waited for a Hold"
+        assert sched.has_cache_item("early")
+        sched.update_state_after_alloc(req, 0)
+        meta = sched.build_connector_meta(busy)
+    finally:
+        producer.cont()
+    assert [(s.desc.mm_hash, s.block) for s in meta.loads] == [("early", -1)], "the frozen producer placed nothing"
+    cache: dict = {}
+    worker.start_load_caches(cache, meta)
+    assert digest(cache["early"]) == digest(make_item(11, (ROWS, WIDTH), "bfloat16"))
+    wm = worker.worker_meta()
+    assert wm.loaded == [(0, "early")] and not wm.failed and not wm.rerouted
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+    c = sched.metrics.snapshot(reset=True)["counters"]
+    assert c["early_admissions"] == 1 and c["unplaced_loads"] == 1 and c["admission_defers"] == 0, c
+    assert sched.request_finished(req)[1] == {"ec_nixl_consumer": {"loaded": ["early"], "local": []}}
+    # With the end-of-step wait: the Hold answers within it, and the load carries the place.
+    sched.opts.admission_wait_s = 1.0
+    again = request("p", [feature("placed")], params_for("placed", producer.address))
+    assert sched.ensure_cache_available(again, 0) is True
+    sched.update_state_after_alloc(again, 0)
+    meta = sched.build_connector_meta(busy)
+    (spec,) = meta.loads
+    assert spec.block >= 0 and spec.incarnation == producer.incarnation, spec
+    worker.start_load_caches(cache, meta)
+    assert digest(cache["placed"]) == digest(make_item(12, (ROWS, WIDTH), "bfloat16"))
+    c = sched.metrics.snapshot()["counters"]
+    assert c["early_admissions"] == 1 and c["unplaced_loads"] == 0 and c["admission_defers"] == 0, c
+
+
+def test_a_silent_producer_gets_no_early_admissions(producer, consumer_sides):
+    """A producer that has left a Hold unanswered for a while (frozen) gets no early admissions:
+    a new request waits for its Hold (gated) instead of being scheduled into a step whose worker
+    would then wait for that producer. Once it answers again, the waiting request is admitted and
+    early admission resumes."""
+    from ec_nixl.vllm.scheduler import _SILENT_S
+
+    vc, sched, worker = consumer_sides({"peer_timeout_s": "10"})
+    _warm(sched, producer)
+    producer.call("publish", [(h, (ROWS, WIDTH), "bfloat16", i) for i, h in enumerate(("s1", "s2", "s3"))])
+    first = request("s1", [feature("s1")], params_for("s1", producer.address))
+    producer.stop()
+    try:
+        assert sched.ensure_cache_available(first, 0) is True, "connected and answering: admitted early"
+        time.sleep(_SILENT_S + 0.1)  # its Hold is now unanswered for longer than _SILENT_S
+        second = request("s2", [feature("s2")], params_for("s2", producer.address))
+        assert sched.ensure_cache_available(second, 0) is False, "admitted early from a silent producer"
+        assert not sched.has_cache_item("s2")
+    finally:
+        producer.cont()
+    assert admit(sched, second) and sched.has_cache_item("s2")
+    third = request("s3", [feature("s3")], params_for("s3", producer.address))
+    assert sched.ensure_cache_available(third, 0) is True, "answering again: early admission resumes"
+
+
+def test_an_early_item_its_producer_refuses_waits_at_the_gate(producer, consumer_sides):
+    """An early-admitted request that vLLM could not schedule yet, whose Hold then answers MISSING,
+    goes back to the gated path: has_cache_item says False (vLLM would encode it, not load it),
+    MISSING is retried for ``missing_grace_s``, then the item is encoded locally."""
+    vc, sched, worker = consumer_sides({"missing_grace_s": "0.3"})
+    _warm(sched, producer)
+    req = request("m", [feature("nothere")], params_for("nothere", producer.address))
+    assert sched.ensure_cache_available(req, 0) is True and sched.has_cache_item("nothere")
+    hold = sched._reqs["m"].items["nothere"].hold
+    assert sched.endpoint.wait_for(lambda: hold.done, 10) and hold.states["nothere"].status == "MISSING"
+    assert sched.ensure_cache_available(req, 0) is False, "a refused early item stays admitted"
+    assert not sched.has_cache_item("nothere")
+    assert admit(sched, req) and not sched.has_cache_item("nothere")
+    c = sched.metrics.snapshot()["counters"]
+    assert c["early_reverted"] == 1 and c["local_fallbacks"] == 1, c

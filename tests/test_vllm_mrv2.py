@@ -115,6 +115,37 @@ def test_several_items_several_requests(e_engine, engine):
         assert any({h for h, _, _ in imgs} <= st for st in steps), f"{rid}'s images load in one step: {steps}"
 
 
+def test_request_with_its_media_is_scheduled_by_the_first_step_after_it_arrives(producer, engine):
+    """Admission counted in engine steps, by vLLM's own scheduler: with another request decoding (a
+    busy engine) and its producer connected, a request whose image carries its pixels is scheduled
+    by the first ``schedule()`` after it arrives, as a local cache hit would be, as an external load
+    (not a local encode). The producer is frozen (SIGSTOP) from before the request arrives until that
+    step is scheduled, so no Hold answer can reach the scheduler in between: the count does not
+    depend on timing. The step's worker then fetches the item itself (producer resumed), and the
+    gather returns the producer's bytes."""
+    producer.call("publish", [("st-warm", (ROWS, WIDTH), BF16, 71), ("st-early", (ROWS, WIDTH), BF16, 72)])
+    pd = engine(admission_wait_s="0")
+    pd.add(make_request("warm", [("st-warm", 0, 6)], params=params_for(producer.address, [("st-warm", 0)]),
+                        media=False))
+    pd.run_until(lambda: "warm" in pd.finished, what="warm finished")  # connects scheduler and worker
+    pd.add(make_request("busy", [], max_tokens=100))
+    pd.run_until(lambda: pd.tokens.get("busy"), what="busy decoding")
+    producer.stop()
+    try:
+        pd.add(make_request("e", [("st-early", 5, 6)], params=params_for(producer.address, [("st-early", 0)])))
+        so = pd.scheduler.schedule()
+    finally:
+        producer.cont()
+    assert "e" in {r.req_id for r in so.scheduled_new_reqs}, "a request with its media waited a step for a Hold"
+    assert "busy" in so.num_scheduled_tokens and "e" not in so.scheduled_encoder_inputs
+    pd.finish_step(so, pd.execute_model(so))
+    pd.run_until(lambda: "e" in pd.finished, what="e finished")
+    assert finish_reason(pd, "e") == "length"
+    assert torch.equal(pd.rows("e"), make_item(72, (ROWS, WIDTH), BF16)), "the gather must return the producer's bytes"
+    assert pd.model.calls == [], "nothing was encoded here"
+    assert [x for m in pd.worker_meta for x in m.loaded] == [(0, "st-warm"), (0, "st-early")]
+
+
 # ------------------------------------------------------------------------------ late items
 
 

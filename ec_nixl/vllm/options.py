@@ -42,9 +42,16 @@ class NixlECOptions:
 
     admission_timeout_s: float = 30.0
     """Longest a request waits for its producer to have its items ready."""
+    early_admission: bool = True
+    """Admit a request before its producer answered the Hold when every remote item carries its
+    media and the producer is connected and answering (``vllm.scheduler``): it is scheduled in the
+    step a local cache hit would be, and a miss costs a local encode. False: every request waits
+    for its Holds (gated)."""
     admission_wait_s: float = 0.005
-    """How long the scheduler may block on a request's first sight for the producer's answer
-    (saves deferring a whole engine step when the producer answers fast)."""
+    """How long the scheduler may block for producers' answers: once per step, at its end, for the
+    Holds of the step's early-admitted loads (an answered one saves the workers a round trip);
+    on a gated request's first sight (saves deferring a whole engine step when the producer
+    answers fast)."""
     missing_grace_s: float = 2.0
     """A producer may not have (re)published an item yet: MISSING is retried this long."""
     expect_wait_s: float = 5.0

@@ -1,12 +1,26 @@
 """Scheduler-side delegate of NixlECConnector (runs in the EngineCore process).
 
-Consumer: admission gating. A request carrying ``ec_transfer_params`` is admitted only once each
-remote item's producer has confirmed, over the control plane, that the item is ready and held for
-us (a lease, renewed while the request waits). Only then does ``has_cache_item`` say True, so the
-scheduler never plans an external load that cannot land. As soon as a hold is granted, the item
-goes to the workers as a *prefetch* in the next step's metadata; while other requests run, the
-request itself is admitted one step later, so its transfer overlaps that step and the step that
-gathers it only passes the barrier. An item that cannot be had is encoded
+Consumer: admission. Every remote item of a request is asked of its producer with a *Hold* (a
+lease and the item's place) the moment the request is first seen. What the request waits for
+depends on what a miss would cost:
+
+* **Early admission** (the standard E-then-PD flow): when every remote item carries its media (a
+  miss costs a local encode, never the request) and its producer answers its control plane, the
+  request is admitted at once, in the step a local cache hit would be: ``has_cache_item`` says
+  True with a provisional place. ``build_connector_meta`` then gives the step's loads the places
+  their Holds answered (waiting ``admission_wait_s`` at most, once per step, for all of them); a
+  load whose Hold has not answered yet is fetched by the workers themselves (a Get, one round
+  trip, then the READ), and the worker's barrier still keeps it from the gather until it landed.
+  A Hold that answers "no" before the request is scheduled turns it back into a gated one (below).
+* **Gated admission** (metadata-only items, items expected from an encoder still running,
+  producers not connected yet or silent, loads measured as long on a busy engine): the request
+  is admitted only once each item's producer has confirmed, over the control plane, that the item
+  is ready and held for us. Only then does ``has_cache_item`` say True, so the scheduler never
+  plans an external load that cannot land. As soon as a hold is granted, the item goes to the
+  workers as a *prefetch* in the next step's metadata; while other requests run, a request whose
+  transfer is measured as long is admitted one step later, so its transfer overlaps that step.
+
+An item that cannot be had is encoded
 locally when the request carries its media, otherwise the request fails with a message naming
 the item and the reason; it never reaches the gather missing. A load that fails after admission
 (its producer died or restarted in between) is encoded by the worker in the same step when the
@@ -33,6 +47,7 @@ from typing import Optional
 from ec_nixl import protocol as P
 from ec_nixl.endpoint import Endpoint
 from ec_nixl.queries import HoldRequest
+from ec_nixl.states import LinkState
 from ec_nixl.metrics import Metrics
 from ec_nixl.params import parse_expect
 from ec_nixl.vllm.metadata import (LoadSpec, NixlECMetadata, NixlECWorkerMeta, RemoteItem, build_params,
@@ -46,6 +61,11 @@ _RETRY = {P.Nack.NOT_READY.value, P.Nack.BUSY.value, "TIMEOUT"}
 OUTCOME_KEY = "ec_nixl_consumer"
 """Key of a consumer's answer ``ec_transfer_params``: {"loaded": [...], "local": [...]} mm hashes."""
 _HOLD_REFRESH_S = 0.5  # re-hold a waiting request's items when less than this fraction of the lease is left
+_SILENT_S = 0.25
+"""A producer with a Hold unanswered this long is not admitted early from: its requests wait for
+their Holds (gated) until it answers again, so a stalled producer holds up no engine step."""
+_DISTRUST_S = 5.0
+"""After a load from a producer failed in a worker, its requests are gated this long."""
 _STEPS_KEPT = 4
 """Metadata objects whose SchedulerOutput reference is kept: more than the steps vLLM has in
 flight, so every worker has used it before it is cleared (which breaks the reference cycle)."""
@@ -57,6 +77,7 @@ class _Item:
     has_media: bool
     offset_end: int  # placeholder offset + length: consumed once num_computed_tokens passes it
     status: str = "holding"  # holding | ready | local | failed
+    early: bool = False  # admitted before its Hold answered (ready with a provisional place until then)
     loaded: bool = False  # handed to the workers as a load (vLLM did not have it cached)
     hold: Optional[HoldRequest] = None
     next_try: float = 0.0
@@ -114,6 +135,7 @@ class SchedulerSide:
         self._with_step: collections.deque[NixlECMetadata] = collections.deque()
         self._resolver = None
         self._link_gbps: dict[str, float] = {}  # producer address -> GB/s, from the workers' link probes
+        self._distrust: dict[str, float] = {}  # producer -> until when (monotonic) it gets no early admissions
         self._media_fields: dict[str, set[str]] = {}
         self._width_warned = False
 
@@ -126,10 +148,12 @@ class SchedulerSide:
         if adm is None:
             adm = self._admit(request, num_computed_tokens)
             self._send_holds(adm)
-            holds = [it.hold for it in adm.items.values() if it.hold is not None]
-            # An expected item is answered when its encoder is done, not within this wait.
-            if holds and self.opts.admission_wait_s > 0 and not adm.expected:
-                self.endpoint.wait_for(lambda: all(h.done for h in holds), self.opts.admission_wait_s)
+            # An early admission waits for nothing here (its loads get their places at the end of
+            # the step); an expected item is answered when its encoder is done, not within this wait.
+            if not self._admit_early(adm) and self.opts.admission_wait_s > 0 and not adm.expected:
+                holds = [it.hold for it in adm.items.values() if it.hold is not None]
+                if holds:
+                    self.endpoint.wait_for(lambda: all(h.done for h in holds), self.opts.admission_wait_s)
         elif num_computed_tokens < adm.floor and not adm.failed:
             # vLLM >= 0.33 asks with the computed tokens minus the prefix-replay tail
             # (ec_computed_tokens), and a preempted request comes back with fewer: items that
@@ -146,12 +170,13 @@ class SchedulerSide:
                 continue
             if it.status == "ready":
                 spec = self._ready.get(h)
-                if spec is not None and it.hold is None and \
+                if spec is not None and it.hold is None and spec.block >= 0 and \
                         time.time() > spec.valid_until - self.opts.endpoint.announce_lease_s * _HOLD_REFRESH_S:
                     it.hold = self.endpoint.hold_async(it.remote.producer, [h], self.place.readers)
                 if it.hold is not None and it.hold.done:
-                    self._refresh(h, it)
-                continue
+                    self._take_answer(adm, h, it, now)
+                if it.status == "ready":
+                    continue
             self._advance(adm, h, it, now)
             if adm.failed:
                 break
@@ -200,23 +225,98 @@ class SchedulerSide:
         return True
 
     def _worth_a_step(self, adm: _Admission) -> bool:
-        """Whether the transfers this step's metadata starts for ``adm`` are long enough to keep
-        it out of this step (``prefetch_defer_s``): their bytes over each producer link's
-        bandwidth, as the workers' link probe measured it at handshake. An unmeasured link counts
-        as fast: on the links we run (loopback, NVLink, RDMA) an item lands in micro- to
-        milliseconds, while a deferred request waits a whole step of the batch (measured on the
-        2-core box, 2026-12-04: one step per request under load, ~5 ms of admission each).
-        (The load times themselves do not tell the link's speed: a prefetch's completion is
-        seen only at the worker's next poll.)"""
+        """Whether the transfers this step's metadata starts for ``adm`` (its prefetches) are long
+        enough to keep it out of this step (``_long``)."""
+        return self._long([adm.items[s.desc.mm_hash] for s in self._prefetch if s.desc.mm_hash in adm.items])
+
+    def _long(self, items: list[_Item]) -> bool:
+        """Whether moving ``items`` takes ``prefetch_defer_s`` or more: their bytes over each
+        producer link's bandwidth, as the workers' link probe measured it at handshake. An
+        unmeasured link counts as fast: on the links we run (loopback, NVLink, RDMA) an item lands
+        in micro- to milliseconds, while a deferred request waits a whole step of the batch
+        (measured on the 2-core box, 2026-12-04: one step per request under load, ~5 ms of
+        admission each). (The load times themselves do not tell the link's speed: a prefetch's
+        completion is seen only at the worker's next poll.)"""
         limit = self.opts.prefetch_defer_s
-        seconds, any_item = 0.0, False
-        for s in self._prefetch:
-            if s.desc.mm_hash in adm.items:
-                any_item = True
-                gbps = self._link_gbps.get(s.producer)
-                if gbps:
-                    seconds += s.desc.nbytes / (gbps * 1e9)
-        return any_item and (limit <= 0 or seconds >= limit)
+        seconds = 0.0
+        for it in items:
+            gbps = self._link_gbps.get(it.remote.producer)
+            if gbps:
+                seconds += it.remote.desc.nbytes / (gbps * 1e9)
+        return bool(items) and (limit <= 0 or seconds >= limit)
+
+    def _admit_early(self, adm: _Admission) -> bool:
+        """Admit ``adm`` now, before its Holds answer, where a miss costs no more than a local
+        encode: every remote item carries its media (``fallback`` 'auto'), none is expected from
+        an encoder still running, each producer is connected and answering (``_answering``), and
+        the engine is idle or the items' transfers are not measured as long (those keep their
+        prefetch step). Its items become ready with a provisional place (block -1): the end of the
+        step gives each load the place its Hold answered (``_place_loads``)."""
+        if not self.opts.early_admission or self.opts.fallback != "auto" or adm.failed or adm.expected \
+                or not adm.items:
+            return False
+        items = list(adm.items.values())
+        if any(it.status != "holding" or not it.has_media for it in items):
+            return False
+        now = time.monotonic()
+        if not all(self._answering(p, now) for p in {it.remote.producer for it in items}):
+            return False
+        if self._busy and self._long(items):
+            return False
+        for h, it in adm.items.items():
+            it.status, it.early = "ready", True
+            if h not in self._ready:
+                self._ready[h] = LoadSpec("", it.remote.desc, it.remote.producer, -1, 0.0)
+        self.metrics.count("early_admissions")
+        return True
+
+    def _answering(self, producer: str, now: float) -> bool:
+        """The producer's control link is up and it answers: no Hold to it (other than one that
+        may wait at it for an item being encoded) has been out ``_SILENT_S``, and no load from it
+        failed in a worker within ``_DISTRUST_S``. Else its requests wait for their Holds."""
+        if self._distrust.get(producer, 0.0) > now:
+            return False
+        link = self.endpoint.links.find(producer)
+        if link is None or link.state is not LinkState.READY:
+            return False
+        for a in self._reqs.values():
+            for it in a.items.values():
+                hr = it.hold
+                if hr is not None and not hr.done and not hr.wait_s and it.remote.producer == producer \
+                        and now - hr.t_asked > _SILENT_S:
+                    return False
+        return True
+
+    def _place_loads(self) -> None:
+        """The step's loads of early-admitted items get the places their Holds answered. The Holds
+        went out when the requests were first seen; those still out are waited for here, all
+        together, ``admission_wait_s`` at most (one bounded wait per step, after the whole batch
+        was scheduled). A load still without a place goes as it is: the workers ask the producer
+        for it (a Get: one round trip, then the READ)."""
+        early = []
+        for s in self._loads:
+            if s.block < 0:
+                adm = self._reqs.get(s.req_id)
+                it = adm.items.get(s.desc.mm_hash) if adm is not None else None
+                if it is not None:
+                    early.append((adm, s, it))
+        if not early:
+            return
+        out = [it.hold for _, _, it in early if it.hold is not None and not it.hold.done]
+        if out and self.opts.admission_wait_s > 0:
+            t0 = time.monotonic()
+            self.endpoint.wait_for(lambda: all(h.done for h in out), self.opts.admission_wait_s)
+            self.metrics.phase("place_wait", time.monotonic() - t0)
+        now = time.monotonic()
+        for adm, s, it in early:
+            h = s.desc.mm_hash
+            if it.hold is not None and it.hold.done:
+                self._take_answer(adm, h, it, now)
+            spec = self._ready.get(h)
+            if spec is not None and spec.block >= 0:
+                s.block, s.valid_until, s.incarnation = spec.block, spec.valid_until, spec.incarnation
+            else:
+                self.metrics.count("unplaced_loads")
 
     def _learn_links(self, stats: dict) -> None:
         """The workers' link probes (producer address -> GB/s), for ``_worth_a_step``."""
@@ -350,13 +450,35 @@ class SchedulerSide:
             return
         self._give_up(adm, h, it, f"{state.status}: {state.detail}")
 
-    def _refresh(self, h: str, it: _Item) -> None:
-        state = it.hold.states[h]
-        incarnation, it.hold = it.hold.incarnation, None
+    def _take_answer(self, adm: _Admission, h: str, it: _Item, now: float) -> None:
+        """The Hold of a ready item answered: its place (an early item's first, or a renewed
+        lease). Any other answer for an early item the scheduler has not handed to the workers
+        yet puts it back on the gated path (``_advance``: retries, grace, local encode); once
+        handed over, the workers' own Get meets the same answer and the late fallback takes it."""
+        hold, it.hold = it.hold, None
+        state = hold.states[h]
         spec = self._ready.get(h)
-        if state.status == "ready" and spec is not None:
-            spec.block, spec.incarnation = state.block, incarnation
-            spec.valid_until = time.time() + max(0.0, state.lease_s - 1.0)
+        if state.status == "ready":
+            try:
+                P.validate_state_matches(state, it.remote.desc)
+            except Exception as e:
+                state = P.ItemState(mm_hash=h, status="BAD_GRANT", detail=f"producer answered inconsistently: {e}")
+            else:
+                if it.early and h == hold.mm_hashes[0]:
+                    self.metrics.phase("hold_rtt", hold.t_answered - hold.t_asked)
+                valid_until = time.time() + max(0.0, state.lease_s - 1.0)
+                if spec is not None and spec.producer == it.remote.producer:
+                    spec.block, spec.valid_until, spec.incarnation = state.block, valid_until, hold.incarnation
+                else:
+                    self._ready[h] = LoadSpec("", it.remote.desc, it.remote.producer, state.block, valid_until,
+                                              hold.incarnation)
+                return
+        if not it.early or it.loaded or spec is None or spec.block >= 0:
+            return  # a renewal that failed (the place stays valid for its lease), or the workers have it
+        del self._ready[h]
+        it.status, it.early = "holding", False
+        it.next_try, it.detail = now + 0.002, f"{state.status}: {state.detail}"
+        self.metrics.count("early_reverted")
 
     def _give_up(self, adm: _Admission, h: str, it: _Item, why: str) -> None:
         msg = f"encoder output {h} of request {adm.req_id} from {it.remote.producer} unavailable: {why}"
@@ -417,6 +539,7 @@ class SchedulerSide:
             self._release.append(h)
 
     def build_connector_meta(self, scheduler_output) -> NixlECMetadata:
+        self._place_loads()
         meta = NixlECMetadata(loads=self._loads, prefetch=self._prefetch, publish=self._publish,
                               release=self._release)
         self._loads, self._prefetch, self._publish, self._release = [], [], [], []
@@ -433,6 +556,11 @@ class SchedulerSide:
         m = getattr(output, "ec_connector_worker_meta", None)
         if not isinstance(m, NixlECWorkerMeta):
             return
+        for _, req_id, h, _ in m.failed + m.rerouted:
+            adm = self._reqs.get(req_id)
+            it = adm.items.get(h) if adm is not None else None
+            if it is not None:  # its producer gets no early admissions for a while
+                self._distrust[it.remote.producer] = time.monotonic() + _DISTRUST_S
         for rank, req_id, h, why in m.failed:
             logger.error("request %s failed: encoder output %s did not land on rank %d: %s", req_id, h, rank, why)
             self._unavailable.add(req_id)

@@ -122,6 +122,9 @@ _PROM_COUNTERS = {
     "reserve_failures": "vllm:nixl_ec_num_reserve_failures",
     "admitted": "vllm:nixl_ec_num_admitted",
     "admission_steps": "vllm:nixl_ec_num_admission_steps",
+    "early_admissions": "vllm:nixl_ec_num_early_admissions",
+    "early_reverted": "vllm:nixl_ec_num_early_reverted",
+    "unplaced_loads": "vllm:nixl_ec_num_unplaced_loads",
     "expected_items": "vllm:nixl_ec_num_expected_items",
     "resent": "vllm:nixl_ec_num_resent",
 }
@@ -143,7 +146,7 @@ class NixlECPromMetrics(ECConnectorPromMetrics):
                                         documentation="load barrier wait per step", buckets=_BUCKETS_S,
                                         labelnames=labelnames))
         phase = H(name="vllm:nixl_ec_phase_seconds", documentation="a request's control-path phases (admit, "
-                  "hold_rtt, hold_seen, publish)", buckets=_BUCKETS_S, labelnames=[*labelnames, "phase"])
+                  "hold_rtt, hold_seen, place_wait, publish)", buckets=_BUCKETS_S, labelnames=[*labelnames, "phase"])
         self._phases = {idx: {k: phase.labels(*vals, k) for k in PHASES}
                         for idx, vals in self.per_engine_labelvalues.items()}
         self._counters = {k: self._per_engine(C(name=n, documentation=f"EC {k.replace('_', ' ')}",
