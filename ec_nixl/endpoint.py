@@ -186,6 +186,10 @@ class Endpoint:
         """Blocking ``hold_async``: one ItemState per hash."""
         return self.links.hold(producer, mm_hashes, readers, timeout, wait_s)
 
+    def release(self, producer: str, mm_hashes: list[str], readers: int = 1) -> None:
+        """Items a Hold of ours claimed that no reader of our group will read (``Links.release``)."""
+        self.links.release(producer, mm_hashes, readers)
+
     def query_stats(self, producer: str, timeout: float = 2.0) -> dict:
         """A producer's ``stats()`` (pool occupancy, counters), over an authenticated session."""
         return self.links.query_stats(producer, timeout)

@@ -234,6 +234,20 @@ class Links:
             raise TransferFailed(f"no statistics from {producer}: {r.error or 'timed out'}", reason="STATS")
         return r.stats
 
+    def release(self, producer: str, mm_hashes: list[str], readers: int = 1) -> None:
+        """Tell ``producer`` that no reader of this consumer group will read ``mm_hashes``, which a
+        Hold of ours claimed (vLLM had them cached, or their request ended before its load): it
+        counts every reader done, so it frees them now instead of at lease end. Any thread; only
+        over a ready link (else the lease ends them). The caller must know that no reader of the
+        group reads them any more: the producer may reuse the memory at once."""
+        def send() -> None:
+            link = self._links.get(producer)
+            if link is not None and link.state is LinkState.READY:
+                for r in range(readers):
+                    self.send(link, P.ReadDone(session=link.session, mm_hashes=list(mm_hashes), reader=r))
+
+        self.loop.call(send)
+
     def ask(self, q: "HoldRequest | StatsRequest") -> None:
         """Send a query now, or once the handshake completes (owner thread)."""
         link = self.get(q.producer)

@@ -29,6 +29,7 @@ from vllm.v1.outputs import ECConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from ec_nixl.errors import ConfigError  # noqa: E402
+from helpers import wait_until  # noqa: E402
 from peers import digest, make_item  # noqa: E402
 from vllm_cpu_host import create_engine_config  # noqa: E402
 
@@ -646,3 +647,34 @@ def test_an_early_item_its_producer_refuses_waits_at_the_gate(producer, consumer
     assert admit(sched, req) and not sched.has_cache_item("nothere")
     c = sched.metrics.snapshot()["counters"]
     assert c["early_reverted"] == 1 and c["local_fallbacks"] == 1, c
+
+
+def test_an_early_item_nobody_loads_is_given_back_to_its_producer(producer, consumer_sides):
+    """An early admission's Hold claims the item at the producer, but vLLM may never ask for the
+    load (it had the item in its encoder cache already, or the request ended before it was
+    scheduled). When the request finishes, the scheduler tells the producer that no reader of its
+    group will read the item, so the producer frees it now instead of at lease end (60 s); an item
+    a worker still loads is never given back that way."""
+    vc, sched, worker = consumer_sides()
+    _warm(sched, producer)
+    producer.call("publish", [("cached", (ROWS, WIDTH), "bfloat16", 21), ("used", (ROWS, WIDTH), "bfloat16", 22)])
+    req = request("c", [feature("cached")], params_for("cached", producer.address))
+    assert sched.ensure_cache_available(req, 0) is True
+    hold = sched._reqs["c"].items["cached"].hold
+    assert sched.endpoint.wait_for(lambda: hold.done, 10)
+    assert "cached" in producer.call("items"), "the Hold keeps the item"
+    sched.request_finished(req)  # finished without vLLM asking for its load
+    assert wait_until(lambda: "cached" not in producer.call("items"), 5), producer.call("items")
+    # An item handed to the worker is left to the worker's own read-done.
+    used = request("u", [feature("used")], params_for("used", producer.address))
+    assert sched.ensure_cache_available(used, 0) is True
+    sched.update_state_after_alloc(used, 0)
+    meta = sched.build_connector_meta(None)
+    sched.request_finished(used)  # (vLLM finishes a request after its step; here before, on purpose)
+    time.sleep(0.2)
+    assert "used" in producer.call("items"), "given back while a worker was to read it"
+    cache: dict = {}
+    worker.start_load_caches(cache, meta)
+    assert digest(cache["used"]) == digest(make_item(22, (ROWS, WIDTH), "bfloat16"))
+    worker.get_finished()  # the read-done goes out
+    assert wait_until(lambda: "used" not in producer.call("items"), 5), producer.call("items")

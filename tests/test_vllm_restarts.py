@@ -157,3 +157,41 @@ def test_no_reroute_without_the_steps_own_scheduler_output(vllm_producer, consum
     worker.start_load_caches({}, meta)
     wm = worker.worker_meta()
     assert wm.failed and not wm.rerouted and so.scheduled_encoder_inputs == {}, wm
+
+
+def test_an_early_load_from_a_producer_that_stopped_answering_is_encoded_here(vllm_producer, consumer_sides):  # noqa: F811
+    """FAULT INJECTION: the producer freezes (SIGSTOP) right after a request with its media was
+    admitted early, before the step's metadata was built, so its load goes to the worker without a
+    place. The worker's Get cannot be answered: the step waits ``early_load_wait_s`` for it, not
+    ``load_timeout_s``, and the item joins the step's encoder inputs (encoded by vLLM in the same
+    step). The scheduler then admits no more early from that producer: the next request waits for
+    its Hold."""
+    vc, sched, worker = consumer_sides({"admission_wait_s": "0"})
+    prod = vllm_producer()
+    prod.call("publish", [("warm", (ROWS, WIDTH), "bfloat16", 1), ("stuck", (ROWS, WIDTH), "bfloat16", 2),
+                          ("next", (ROWS, WIDTH), "bfloat16", 3)])
+    warm = request("w", [feature("warm")], params_for("warm", prod.address))
+    assert admit(sched, warm)
+    so, meta = step(sched, warm)
+    worker.start_load_caches({}, meta)  # the worker's link is up too
+    assert worker.worker_meta().loaded == [(0, "warm")]
+    req = request("s", [feature("stuck")], params_for("stuck", prod.address))
+    assert sched.ensure_cache_available(req, 0) is True, "connected and answering: admitted early"
+    prod.stop()
+    try:
+        so, meta = step(sched, req)
+        assert meta.loads[0].block == -1 and meta.loads[0].has_media
+        t0 = time.monotonic()
+        worker.start_load_caches({}, meta)
+        took = timing("adapter: early load from a frozen producer encoded here after", time.monotonic() - t0)
+    finally:
+        prod.cont()
+    assert took < worker.opts.early_load_wait_s + 1.5, f"the step waited {took:.2f}s (load_timeout_s is 5 s)"
+    assert so.scheduled_encoder_inputs == {"s": [0]} and encoded_by_vllm(so, req) == ["stuck"]
+    wm = worker.worker_meta()
+    assert wm.rerouted and wm.rerouted[0][1:3] == ("s", "stuck") and not wm.failed, wm
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+    nxt = request("n", [feature("next")], params_for("next", prod.address))
+    assert sched.ensure_cache_available(nxt, 0) is False, "admitted early from a producer whose load just failed"
+    assert admit(sched, nxt) and sched.has_cache_item("next")
+    assert worker.endpoint.wait_for(lambda: worker.endpoint.pool.stats().used == 0, 10)

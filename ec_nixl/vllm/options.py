@@ -47,6 +47,11 @@ class NixlECOptions:
     media and the producer is connected and answering (``vllm.scheduler``): it is scheduled in the
     step a local cache hit would be, and a miss costs a local encode. False: every request waits
     for its Holds (gated)."""
+    early_load_wait_s: float = 0.5
+    """Longest a step waits for an early-admitted item whose place its Hold had not given when the
+    step was built (the workers ask the producer for it): then it is encoded in that step. It
+    bounds what a producer that stops answering costs the batch (the scheduler admits no more
+    early from it); raise it where producers answer slowly."""
     admission_wait_s: float = 0.005
     """How long the scheduler may block for producers' answers: once per step, at its end, for the
     Holds of the step's early-admitted loads (an answered one saves the workers a round trip);
@@ -80,6 +85,8 @@ class NixlECOptions:
         for f in ("admission_timeout_s", "missing_grace_s", "prefetch_defer_s"):
             if getattr(self, f) < 0:
                 raise ConfigError(f"{f} must be >= 0")
+        if not self.early_load_wait_s > 0:
+            raise ConfigError("early_load_wait_s must be > 0")
         if not 0 <= self.expect_wait_s <= P.MAX_HOLD_WAIT_S:
             raise ConfigError(f"expect_wait_s must be within 0..{P.MAX_HOLD_WAIT_S:g} s (what a producer waits at most)")
         if self.admission_wait_s < 0 or self.admission_wait_s > 1:

@@ -604,7 +604,8 @@ class SchedulerSide:
         loaded_here: set[str] = set()  # ec_both: items that came from another producer
         if adm is not None:
             loaded_here = {h for h, it in adm.items.items() if it.status == "ready"}
-            for h in adm.items:
+            unread: dict[str, list[str]] = {}
+            for h, it in adm.items.items():
                 users = self._users.get(h)
                 if users is not None:
                     users.discard(request.request_id)
@@ -614,6 +615,12 @@ class SchedulerSide:
                         if h in self._prefetched:  # prefetched, never loaded: workers drop it
                             self._prefetched.discard(h)
                             self._release.append(h)
+                        elif it.early and not it.loaded and h not in self._loaded:
+                            # Held for an early admission, never handed to the workers (vLLM had
+                            # it cached, or the request ended first): the producer may free it now.
+                            unread.setdefault(it.remote.producer, []).append(h)
+            for producer, hashes in unread.items():
+                self.endpoint.release(producer, hashes, self.place.readers)
         if not self.place.is_producer or not request.mm_features:
             return False, self._outcome(adm)
         items = {}

@@ -37,6 +37,10 @@ from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoi
 
 logger = logging.getLogger("ec_nixl.vllm")
 
+REPUBLISH_WAIT_S = 0.05
+"""How long the producer may keep such a Get for an item it does not hold (yet): a producer
+publishes an encoder-cache hit again one engine step after announcing it."""
+
 
 class WorkerSide:
     def __init__(self, vllm_config, opts: NixlECOptions, place: Placement):
@@ -152,7 +156,19 @@ class WorkerSide:
             else:
                 tickets.append(t)
         if fresh:
-            tickets += self.endpoint.load(self._refs(fresh))
+            # An early-admitted load without a place (its Hold had not answered when the step was
+            # built) that carries its media waits early_load_wait_s at most, then is encoded here:
+            # its producer stopped answering just now (the scheduler admits no more early from
+            # it), and the whole step must not wait out load_timeout_s for it.
+            unplaced = [s for s in fresh if s.block < 0 and s.has_media]
+            placed = [s for s in fresh if not (s.block < 0 and s.has_media)]
+            if placed:
+                tickets += self.endpoint.load(self._refs(placed))
+            if unplaced:  # (an encoder-cache hit is published again one producer step after its
+                # announcement: the producer may keep the Get that long for it)
+                tickets += self.endpoint.load(self._refs(unplaced),
+                                              timeout=min(self.opts.early_load_wait_s, self.endpoint.cfg.load_timeout_s),
+                                              wait_s=REPUBLISH_WAIT_S)
         try:
             self.barrier.wait(tickets)
         except LoadFailed:

@@ -133,7 +133,8 @@ def nixl(baseline: Baseline, tiny_model: str, tmp_path_factory: pytest.TempPathF
                        # on the same core (the defaults, 5 s, detect dead peers on a normal host;
                        # tests/test_faults_peer_death.py checks them).
                        extra_config={"nixl_progress_thread": "false", "peer_timeout_s": "30",
-                                     "load_timeout_s": "30", "expect_wait_s": str(EXPECT_WAIT_S)})
+                                     "load_timeout_s": "30", "early_load_wait_s": "30",
+                                     "expect_wait_s": str(EXPECT_WAIT_S)})
     with Cluster(cfg) as cluster:
         cluster.start()
         # The faulty producer: 4th instance of the plan (ec_port = ec_base_port + 3 * stride).

@@ -66,7 +66,7 @@ STUCK_START_S = 300.0  # see Restarts.start_healthy
 TIMERS = {
     # Two cores for three vLLM instances plus restarts: no spinning NIXL progress thread, and
     # timeouts sized for threads waiting behind OpenMP spinners (see test_e2e_nixl.py).
-    "nixl_progress_thread": "false", "peer_timeout_s": "15", "load_timeout_s": "15",
+    "nixl_progress_thread": "false", "peer_timeout_s": "15", "load_timeout_s": "15", "early_load_wait_s": "15",
     "link_timeout_s": str(LINK_TIMEOUT_S),
     "missing_grace_s": "10",  # the consumer case keeps a request waiting on a missing item this long
 }

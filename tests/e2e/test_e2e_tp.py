@@ -84,7 +84,7 @@ POOL_BYTES = 64 << 20
 E1_LEASE_S = 6.0
 """``announce_lease_s`` of ``e1`` (default 60 s): in the late case one PD rank never reads the item,
 so ``e1`` frees it when its lease ends; this keeps that wait short."""
-EXTRA = {"nixl_progress_thread": "false", "peer_timeout_s": "30", "load_timeout_s": "30"}
+EXTRA = {"nixl_progress_thread": "false", "peer_timeout_s": "30", "load_timeout_s": "30", "early_load_wait_s": "30"}
 """As in test_e2e_nixl.py: up to 9 vLLM processes per core here, so no spinning NIXL progress
 thread and timeouts sized for threads that wait behind OpenMP spinners."""
 SHIM_TP = Path(__file__).with_name("shim_tp")
