@@ -31,6 +31,26 @@ def test_summary_takes_the_median_of_per_round_ratios():
     assert "0.80 (0.50-0.90)" in table(list(s.values()), "example")
 
 
+def test_request_trace_summary_splits_by_window_and_counts_steps(tmp_path):
+    """The engines' per-request trace lines (request_trace) are read back per role, split by a
+    point's window, and summarised: queue time from queued to first scheduled, steps waited, and
+    the mean wall time of one engine step over the window."""
+    from ec_nixl.bench import request_trace
+
+    lines = [{"req": f"r{i}", "arrival": 99.0 + i, "queued": 100.0 + i, "scheduled": 100.0 + i + q, "steps": s,
+              "step": 10 * i + s} for i, (q, s) in enumerate([(0.001, 0), (0.002, 0), (0.030, 2), (0.004, 0)])]
+    (tmp_path / "trace-ec_consumer-1.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"torn')
+    (tmp_path / "trace-ec_producer-2.jsonl").write_text(json.dumps(lines[0]) + "\n")
+    recs = request_trace.read(tmp_path, "ec_consumer")
+    assert len(recs) == 4, "a torn last line is skipped"
+    s = request_trace.summarize(recs, 100.5, 104.0)  # r1..r3
+    assert s["n"] == 3 and s["queue_p50_ms"] == 4.0 and s["queue_p99_ms"] == 30.0
+    assert s["steps_mean"] == round(2 / 3, 3) and s["steps_max"] == 2 and s["waited_a_step"] == 1
+    assert s["arrival_to_queued_p50_ms"] == 1000.0
+    assert s["step_ms"] == round((103.004 - 101.002) / (30 - 10) * 1e3, 3)
+    assert request_trace.summarize(recs, 200.0, 300.0) == {}
+
+
 def test_a_deployment_variant_carries_its_settings():
     """``nixl@key=value``: the same deployment with ec_connector_extra_config settings (JSON values
     where they parse), so one setting can be compared in interleaved rounds; a malformed or
@@ -85,5 +105,12 @@ def test_bench_serve_runs_every_deployment(tmp_path):
         assert 0.5 * total <= sum(threads.values()) <= 1.05 * total + 0.05, (d, total, threads)
         assert any(k.startswith("pd0:") for k in threads), (d, threads)
     assert "busiest threads: " in r.stdout, r.stdout[-3000:]
+    # Where the PD's requests waited, from each engine's scheduler trace: every request of the
+    # point (and vLLM bench's warm-up request) was seen queued and scheduled; ECMooncake's PD too.
+    for row in res["rows"]:
+        q = row["pd_queue"]
+        assert q.get("n", 0) >= 6 and q["queue_p50_ms"] >= 0 and q["steps_max"] >= 0, (row["deployment"], q)
+        assert row["e_queue"].get("n", 0) >= 6, (row["deployment"], row["e_queue"])
+    assert "PD queue p50 ms" in r.stdout, r.stdout[-3000:]
     if (out / "r.png").exists():  # matplotlib is in the test requirements; the plot is optional otherwise
         assert (out / "r.png").stat().st_size > 1000

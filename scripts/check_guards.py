@@ -98,10 +98,9 @@ BREAKAGES: tuple[Breakage, ...] = (
         name="early-admission-ignores-silence",
         guarantee="a producer that leaves a Hold unanswered gets no early admissions (no step waits on it)",
         file="ec_nixl/vllm/scheduler.py",
-        old="""                if hr is not None and not hr.done and not hr.wait_s and it.remote.producer == producer \\
-                        and now - hr.t_asked > _SILENT_S:
+        old="""        return not asked or now - asked[0].t_asked <= _SILENT_S
 """,
-        new="""                if False:  # BROKEN: a silent producer still gets early admissions
+        new="""        return True  # BROKEN: a silent producer still gets early admissions
 """,
         tests=("tests/test_vllm_adapter.py",),
         expect=("test_a_silent_producer_gets_no_early_admissions",),

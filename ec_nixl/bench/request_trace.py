@@ -7,7 +7,8 @@ plugin (loaded by every vLLM process of the venv, whatever its connector) then w
 process's scheduler with ``install``: each request's **first scheduling** writes one JSON line
 
     {"req": id, "arrival": wall s (vLLM's front-end arrival_time), "queued": wall s (add_request),
-     "scheduled": wall s (the schedule() that first gave it tokens), "steps": schedule() calls
+     "scheduled": wall s (the start of the schedule() that first gave it tokens, where vLLM takes
+     its scheduled_ts), "steps": schedule() calls
      from queued to that one, 0 = the first step after its arrival, "step": that step's index}
 
 to ``trace-{role}-{pid}.jsonl`` there (role: the EC role, or ``colocated``). ``queued`` to
@@ -48,8 +49,8 @@ def install() -> None:
 
     def traced_schedule(self, *args, **kwargs):
         trace = _trace(self, out)
+        now, step = time.time(), trace.steps  # (vLLM's scheduled_ts is taken where schedule() starts)
         so = schedule(self, *args, **kwargs)
-        now, step = time.time(), trace.steps
         trace.steps += 1
         for new in getattr(so, "scheduled_new_reqs", ()) or ():
             q = trace.queued.pop(new.req_id, None)

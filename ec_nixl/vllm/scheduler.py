@@ -136,6 +136,7 @@ class SchedulerSide:
         self._resolver = None
         self._link_gbps: dict[str, float] = {}  # producer address -> GB/s, from the workers' link probes
         self._distrust: dict[str, float] = {}  # producer -> until when (monotonic) it gets no early admissions
+        self._asked: dict[str, collections.deque[HoldRequest]] = {}  # producer -> Holds to answer at once, as sent
         self._media_fields: dict[str, set[str]] = {}
         self._width_warned = False
 
@@ -172,7 +173,7 @@ class SchedulerSide:
                 spec = self._ready.get(h)
                 if spec is not None and it.hold is None and spec.block >= 0 and \
                         time.time() > spec.valid_until - self.opts.endpoint.announce_lease_s * _HOLD_REFRESH_S:
-                    it.hold = self.endpoint.hold_async(it.remote.producer, [h], self.place.readers)
+                    it.hold = self._hold(it.remote.producer, [h])
                 if it.hold is not None and it.hold.done:
                     self._take_answer(adm, h, it, now)
                 if it.status == "ready":
@@ -279,13 +280,10 @@ class SchedulerSide:
         link = self.endpoint.links.find(producer)
         if link is None or link.state is not LinkState.READY:
             return False
-        for a in self._reqs.values():
-            for it in a.items.values():
-                hr = it.hold
-                if hr is not None and not hr.done and not hr.wait_s and it.remote.producer == producer \
-                        and now - hr.t_asked > _SILENT_S:
-                    return False
-        return True
+        asked = self._asked.get(producer)  # its Holds in the order sent: the oldest unanswered first
+        while asked and asked[0].done:
+            asked.popleft()
+        return not asked or now - asked[0].t_asked <= _SILENT_S
 
     def _place_loads(self) -> None:
         """The step's loads of early-admitted items get the places their Holds answered. The Holds
@@ -412,10 +410,16 @@ class SchedulerSide:
             # Expected items: the producer answers when they are published (or at the end of
             # the wait), so their READ starts the moment the bytes exist, with no polling.
             wait = max(0.0, self.opts.expect_wait_s - (now - adm.t0)) if expected else 0.0
-            hr = self.endpoint.hold_async(producer, hashes, self.place.readers,
-                                          timeout=max(1.0, self.opts.endpoint.peer_timeout_s), wait_s=wait)
+            hr = self._hold(producer, hashes, timeout=max(1.0, self.opts.endpoint.peer_timeout_s), wait_s=wait)
             for h in hashes:
                 adm.items[h].hold = hr
+
+    def _hold(self, producer: str, hashes: list[str], timeout: float = 2.0, wait_s: float = 0.0) -> HoldRequest:
+        """Send a Hold; one that must be answered at once is remembered for ``_answering``."""
+        hr = self.endpoint.hold_async(producer, hashes, self.place.readers, timeout=timeout, wait_s=wait_s)
+        if not wait_s:
+            self._asked.setdefault(producer, collections.deque()).append(hr)
+        return hr
 
     def _advance(self, adm: _Admission, h: str, it: _Item, now: float) -> None:
         if it.hold is None or not it.hold.done:

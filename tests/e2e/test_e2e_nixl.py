@@ -86,6 +86,9 @@ FALLBACKS = "vllm:nixl_ec_num_local_fallbacks_total"
 FAILED_LOADS = "vllm:nixl_ec_num_failed_loads_total"
 TRANSFERS = "vllm:nixl_ec_num_transfers_total"
 POOL_USED = "vllm:nixl_ec_pool_used_bytes"
+ADMITTED = "vllm:nixl_ec_num_admitted_total"
+STEPS = "vllm:nixl_ec_num_admission_steps_total"
+EARLY = "vllm:nixl_ec_num_early_admissions_total"
 
 DRAIN_TIMEOUT_S = 10.0
 EXPECT_WAIT_S = 6.0  # the PD's expect_wait_s here (default 5 s): room for a slow encoder on 2 cores
@@ -337,6 +340,39 @@ def test_request_after_idle_period(nixl: Nixl, baseline: Baseline) -> None:
     d = counters_after(nixl, before, 1)
     assert got == expected, f"E->PD tokens differ from colocated {nixl.logs()}"
     assert d[LANDED] == 1 and d[FALLBACKS] == 0, f"PD counter deltas {d} {nixl.logs()}"
+
+
+def test_chat_sequence_is_admitted_in_the_step_it_arrives(nixl: Nixl, baseline: Baseline) -> None:
+    """The standard flow as a chat client drives it, one request after another through the 1:1
+    proxy (E answers, then the PD gets its params): the same image three times, another image, then
+    a two-turn conversation whose second turn carries the first turn's image in its history. Every
+    answer equals the colocated server's; every request with remote items is admitted early, in the
+    step a local cache hit would be (``admission_steps`` does not grow); nothing is re-encoded on
+    the PD; and both pools drain (an item the PD already had cached is given back to E, not kept
+    for its 60 s lease)."""
+    warm = chat_body(nixl.model, [(60, 60)], "nixl-chat-warm")  # the links are up (a fresh link is gated)
+    assert token_ids(nixl.proxy11.url, warm) == baseline.token_ids(warm)
+    same = chat_body(nixl.model, [(96, 80)], "nixl-chat-same")
+    turn1 = chat_body(nixl.model, [(70, 90)], "nixl-chat-turn")
+    turn2 = dict(turn1, messages=turn1["messages"] + [{"role": "assistant", "content": "a gradient"},
+                                                        {"role": "user", "content": "which colours?"}])
+    seq = [same, same, same, chat_body(nixl.model, [(84, 56)], "nixl-chat-other"), turn1, turn2]
+    keys = (LANDED, FALLBACKS, FAILED_LOADS, ADMITTED, STEPS, EARLY)
+    before = nixl.metrics()
+    for i, body in enumerate(seq):
+        assert token_ids(nixl.proxy11.url, body) == baseline.token_ids(body), (
+            f"request {i} of the chat sequence differs from colocated {nixl.logs()}")
+
+    def delta() -> dict[str, float]:
+        m = nixl.metrics()
+        return {k: m.get(k, 0.0) - before.get(k, 0.0) for k in keys}
+
+    d = wait_until(lambda: (x := delta())[LANDED] >= 3 and x[ADMITTED] >= 3 and x, 5.0) or delta()
+    assert d[LANDED] >= 3 and d[FALLBACKS] == 0 and d[FAILED_LOADS] == 0, f"PD counter deltas {d} {nixl.logs()}"
+    assert d[ADMITTED] >= 3 and d[EARLY] == d[ADMITTED] and d[STEPS] == 0, (
+        f"a request waited for its Hold: PD counter deltas {d} {nixl.logs()}")
+    assert_producer_drained(nixl, nixl.encoders[0])
+    assert_consumer_drained(nixl)
 
 
 def _post_async(url: str, body: dict[str, Any]) -> Callable[[], requests.Response]:
