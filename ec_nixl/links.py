@@ -577,6 +577,7 @@ def choose_mode(cfg: EndpointConfig, transport: "Transport", metrics: Metrics, l
     gbps = (n * cfg.block_bytes) / (read_s if mode == "read" else write_s) / 1e9 \
         if cfg.mode == "auto" else float("nan")
     metrics.link_modes[link.name] = mode
+    metrics.link_mode_at[link.address] = mode
     if gbps == gbps:  # measured (not a forced mode): what the consumer's scheduler plans loads with
         metrics.link_gbps[link.address] = gbps
     logger.info("ec-nixl link %s -> %s: mode=%s (probe %d KiB: READ %.1f us, WRITE %.1f us)",

@@ -64,6 +64,7 @@ class Metrics:
         self._reset()
         self.link_modes: dict[str, str] = {}
         self.link_gbps: dict[str, float] = {}  # producer address -> the link probe's GB/s
+        self.link_mode_at: dict[str, str] = {}  # producer address -> the mode its link uses ("read" | "write")
 
     def _reset(self) -> None:
         self.counters: Counter = Counter()
@@ -119,6 +120,7 @@ class Metrics:
                 "phases": {k: list(v) for k, v in self.phases.items()},
                 "link_modes": dict(self.link_modes),
                 "link_gbps": dict(self.link_gbps),
+                "link_mode_at": dict(self.link_mode_at),
             }
             if reset:
                 self._reset()

@@ -566,10 +566,13 @@ def test_request_with_its_media_is_admitted_in_its_first_step(producer, consumer
     before the request arrives until the step's metadata is built, so the order does not depend on
     timing. The load goes to the worker without a place; the producer resumes and the worker asks
     for the item itself (a Get), byte-exact. A second request, with the end-of-step wait allowed,
-    gets its place from its Hold: the worker READs at once (no Get)."""
+    gets its place from its Hold: the worker READs at once (no Get). (READ links: over a WRITE link
+    the worker asks the producer to push the item whatever its place, and nothing is waited for.)"""
     import types
 
-    vc, sched, worker = consumer_sides({"admission_wait_s": "0"})
+    from ec_nixl.vllm.metadata import NixlECWorkerMeta
+
+    vc, sched, worker = consumer_sides({"admission_wait_s": "0", "mode": "read"})
     _warm(sched, producer)
     producer.call("publish", [("early", (ROWS, WIDTH), "bfloat16", 11), ("placed", (ROWS, WIDTH), "bfloat16", 12)])
     busy = types.SimpleNamespace(total_num_scheduled_tokens=64)
@@ -605,6 +608,21 @@ def test_request_with_its_media_is_admitted_in_its_first_step(producer, consumer
     assert digest(cache["placed"]) == digest(make_item(12, (ROWS, WIDTH), "bfloat16"))
     c = sched.metrics.snapshot()["counters"]
     assert c["early_admissions"] == 1 and c["unplaced_loads"] == 0 and c["admission_defers"] == 0, c
+    # Over a WRITE link the end of the step waits for no Hold: the load goes without a place.
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=NixlECWorkerMeta(
+        stats={"link_mode_at": {producer.address: "write"}})))
+    producer.call("publish", [("pushed", (ROWS, WIDTH), "bfloat16", 13)])
+    third = request("w2", [feature("pushed")], params_for("pushed", producer.address))
+    producer.stop()
+    try:
+        assert sched.ensure_cache_available(third, 0) is True
+        sched.update_state_after_alloc(third, 0)
+        t0 = time.monotonic()
+        meta = sched.build_connector_meta(busy)
+        assert time.monotonic() - t0 < 0.5, "waited for a Hold whose place a WRITE link does not use"
+    finally:
+        producer.cont()
+    assert meta.loads[0].block == -1
 
 
 def test_a_silent_producer_gets_no_early_admissions(producer, consumer_sides):

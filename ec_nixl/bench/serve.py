@@ -341,11 +341,14 @@ def drive(args, model: str, urls: dict, tag: str, rnd: int, out: Path) -> list[d
               "--num-prompts", str(args.prompts), "--random-input-len", str(args.input_len),
               "--random-output-len", str(args.output_len), "--ignore-eos", "--random-mm-bucket-config", buckets,
               "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99", "--save-result",
-              "--result-dir", str(out), "--disable-tqdm", "--seed", str(rnd)]
+              "--result-dir", str(out), "--disable-tqdm"]
     pts = []
-    for images, conc in points(args):
+    for i, (images, conc) in enumerate(points(args)):
         name = f"{tag}-i{images}-c{conc}.json"
+        # A seed per round and point: every deployment of a round gets the same requests, and no
+        # point repeats an earlier point's images (the encoder caches of E and PD would serve them).
         pts.append({"tag": name, "images": images, "concurrency": conc, "argv": [
+            "--seed", str(1000 * rnd + i),
             "--max-concurrency", str(conc), "--random-mm-base-items-per-request", str(images),
             "--random-mm-limit-mm-per-prompt", json.dumps({"image": images, "video": 0}),
             "--result-filename", name]})

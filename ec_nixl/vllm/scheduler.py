@@ -135,6 +135,7 @@ class SchedulerSide:
         self._with_step: collections.deque[NixlECMetadata] = collections.deque()
         self._resolver = None
         self._link_gbps: dict[str, float] = {}  # producer address -> GB/s, from the workers' link probes
+        self._link_mode: dict[str, str] = {}  # producer address -> "read" | "write", the workers' links
         self._distrust: dict[str, float] = {}  # producer -> until when (monotonic) it gets no early admissions
         self._asked: dict[str, collections.deque[HoldRequest]] = {}  # producer -> Holds to answer at once, as sent
         self._media_fields: dict[str, set[str]] = {}
@@ -290,7 +291,8 @@ class SchedulerSide:
         went out when the requests were first seen; those still out are waited for here, all
         together, ``admission_wait_s`` at most (one bounded wait per step, after the whole batch
         was scheduled). A load still without a place goes as it is: the workers ask the producer
-        for it (a Get: one round trip, then the READ)."""
+        for it (a Get: one round trip, then the READ). Over a WRITE link the workers ask the
+        producer to push the item whatever its place: nothing is waited for there."""
         early = []
         for s in self._loads:
             if s.block < 0:
@@ -300,7 +302,8 @@ class SchedulerSide:
                     early.append((adm, s, it))
         if not early:
             return
-        out = [it.hold for _, _, it in early if it.hold is not None and not it.hold.done]
+        out = [it.hold for _, s, it in early if it.hold is not None and not it.hold.done
+               and self._link_mode.get(s.producer) != "write"]
         if out and self.opts.admission_wait_s > 0:
             t0 = time.monotonic()
             self.endpoint.wait_for(lambda: all(h.done for h in out), self.opts.admission_wait_s)
@@ -317,8 +320,10 @@ class SchedulerSide:
                 self.metrics.count("unplaced_loads")
 
     def _learn_links(self, stats: dict) -> None:
-        """The workers' link probes (producer address -> GB/s), for ``_worth_a_step``."""
+        """The workers' link probes (producer address -> GB/s, for ``_long``) and modes (for
+        ``_place_loads``)."""
         self._link_gbps.update(stats.get("link_gbps") or {})
+        self._link_mode.update(stats.get("link_mode_at") or {})
 
     def _admit(self, request, num_computed_tokens: int) -> _Admission:
         """First sight of a request: validate its params once, decide what is remote or local.

@@ -20,7 +20,7 @@ _LISTS = ("xfer_s", "post_s", "sizes", "wait_s")
 
 def empty_data() -> dict:
     return {"counters": {}, "xfer_s": [], "post_s": [], "sizes": [], "wait_s": [], "phases": {}, "link_modes": {},
-            "link_gbps": {}, "failure_reasons": {}, "pool": {}}
+            "link_gbps": {}, "link_mode_at": {}, "failure_reasons": {}, "pool": {}}
 
 
 def _extend_capped(dst: list, src, cap: int) -> None:
@@ -43,6 +43,7 @@ def merge_data(a: Optional[dict], b: Optional[dict], cap: int = 8192) -> dict:
             _extend_capped(out["phases"].setdefault(k, []), v, cap)
         out["link_modes"].update(src.get("link_modes") or {})
         out["link_gbps"].update(src.get("link_gbps") or {})
+        out["link_mode_at"].update(src.get("link_mode_at") or {})
         out["pool"].update(src.get("pool") or {})  # latest occupancy per rank
     return out
 
