@@ -51,6 +51,23 @@ def test_request_trace_summary_splits_by_window_and_counts_steps(tmp_path):
     assert request_trace.summarize(recs, 200.0, 300.0) == {}
 
 
+def test_point_phases_are_the_deltas_of_the_pds_metrics():
+    """The connector's admission per point: the difference of two Prometheus texts of the PD."""
+    from ec_nixl.bench.serve import point_phases
+
+    def text(admitted, steps, early, admit_sum, admit_n):
+        lab = '{model_name="m",engine="0"}'
+        return "\n".join([f"vllm:nixl_ec_num_admitted_total{lab} {admitted}",
+                          f"vllm:nixl_ec_num_admission_steps_total{lab} {steps}",
+                          f"vllm:nixl_ec_num_early_admissions_total{lab} {early}",
+                          f'vllm:nixl_ec_phase_seconds_sum{{model_name="m",engine="0",phase="admit"}} {admit_sum}',
+                          f'vllm:nixl_ec_phase_seconds_count{{model_name="m",engine="0",phase="admit"}} {admit_n}'])
+
+    d = point_phases(text(10, 4, 6, 0.5, 10), text(30, 4, 26, 0.52, 30))
+    assert d == {"admitted": 20, "steps_per_admitted": 0.0, "early_share": 1.0, "admit_ms": 1.0}
+    assert point_phases(text(1, 0, 0, 0.1, 1), text(1, 0, 0, 0.1, 1)) == {}
+
+
 def test_a_deployment_variant_carries_its_settings():
     """``nixl@key=value``: the same deployment with ec_connector_extra_config settings (JSON values
     where they parse), so one setting can be compared in interleaved rounds; a malformed or
@@ -111,6 +128,8 @@ def test_bench_serve_runs_every_deployment(tmp_path):
         q = row["pd_queue"]
         assert q.get("n", 0) >= 6 and q["queue_p50_ms"] >= 0 and q["steps_max"] >= 0, (row["deployment"], q)
         assert row["e_queue"].get("n", 0) >= 6, (row["deployment"], row["e_queue"])
+    nixl_row = next(row for row in res["rows"] if row["deployment"] == "nixl")
+    assert nixl_row["pd_phases"].get("admitted", 0) >= 6 and "admit_ms" in nixl_row["pd_phases"], nixl_row
     assert "PD queue p50 ms" in r.stdout, r.stdout[-3000:]
     if (out / "r.png").exists():  # matplotlib is in the test requirements; the plot is optional otherwise
         assert (out / "r.png").stat().st_size > 1000

@@ -52,19 +52,26 @@ CONNECTOR = {"nixl": "NixlECConnector", "nixl-seq": "NixlECConnector", "example"
              "mooncake": "ECMooncakeConnector"}
 CPU_VLLM_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "8", "--enforce-eager", "--dtype", "bfloat16",
                  "--limit-mm-per-prompt", '{"image":4,"video":0}']
-COUNTERS = ("admitted", "admission_steps", "prefetch_defers", "local_fallbacks", "loads_landed", "expected_items")
+COUNTERS = ("admitted", "admission_steps", "early_admissions", "unplaced_loads", "prefetch_defers", "local_fallbacks",
+            "loads_landed", "expected_items")
 SCHEMA = "ec-nixl-bench-serve/1"
 POOL_BYTES = 256 << 20  # ec_buffer_size of the NixlEC and ECMooncake instances (Mooncake's default is 1 GB)
 
 # One process per deployment and round runs every (images, concurrency) point: vLLM's import
 # costs ~10 s here, paid once.
 # Each point's wall-clock window goes to the file named second: the engines' request traces are
-# split by it (request_trace).
+# split by it (request_trace). With a third argument (the PD's URL), the PD's Prometheus text
+# before the first point and after each one goes there too: the connector's phases per point.
 DRIVER = r"""
-import argparse, json, sys, time
+import argparse, json, sys, time, urllib.request
 from vllm.benchmarks import serve
-points, windows, common = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3:]
-spans = {}
+points, windows, pd, common = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
+def metrics():
+    try:
+        return urllib.request.urlopen(pd + "/metrics", timeout=10).read().decode() if pd else ""
+    except OSError:
+        return ""
+spans = {"": [0.0, 0.0, metrics()]}
 for pt in points:
     p = argparse.ArgumentParser(); serve.add_cli_args(p)
     a = p.parse_args(common + pt["argv"])
@@ -73,7 +80,7 @@ for pt in points:
         serve.main(a)
     except Exception as e:  # one point failing must not lose the others
         print(f"bench point {pt['tag']} failed: {e!r}", flush=True)
-    spans[pt["tag"]] = [t0, time.time()]
+    spans[pt["tag"]] = [t0, time.time(), metrics()]
     open(windows, "w").write(json.dumps(spans))
 """
 
@@ -188,20 +195,26 @@ def _cuda() -> bool:
 
 def scrape(url: Optional[str]) -> dict[str, Any]:
     """An instance's NixlEC phases (mean ms) and counters from its Prometheus text ({} if none)."""
-    from ec_nixl.metrics import PHASES
-
     if not url:
         return {}
     try:
         text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     except OSError:
         return {}
+    return parse_metrics(text)
+
+
+def parse_metrics(text: str) -> dict[str, Any]:
+    """NixlEC's phases (mean ms) and counters in a Prometheus text, cumulative since start."""
+    from ec_nixl.metrics import PHASES
+
     out: dict[str, Any] = {}
     for k in PHASES:
         tot = re.search(r'vllm:nixl_ec_phase_seconds_sum\{[^}]*phase="%s"[^}]*\} (\S+)' % k, text)
         n = re.search(r'vllm:nixl_ec_phase_seconds_count\{[^}]*phase="%s"[^}]*\} (\S+)' % k, text)
         if tot and n and float(n.group(1)):
             out[f"{k}_ms"] = round(float(tot.group(1)) / float(n.group(1)) * 1e3, 3)
+            out[f"{k}_sum_n"] = [float(tot.group(1)), float(n.group(1))]
     for k in COUNTERS:
         m = re.search(r"vllm:nixl_ec_num_%s_total\{[^}]*\} (\S+)" % k, text)
         if m:
@@ -211,6 +224,23 @@ def scrape(url: Optional[str]) -> dict[str, Any]:
         n = re.search(r"%s_count\{[^}]*\} (\S+)" % series, text)
         if tot and n and float(n.group(1)):
             out[k] = round(float(tot.group(1)) / float(n.group(1)) * 1e3, 3)
+    return out
+
+
+def point_phases(before: str, after: str) -> dict[str, Any]:
+    """The PD's admission between two Prometheus texts (one point): requests admitted, engine steps
+    they waited per request, the share admitted early, and the mean of each phase (ms)."""
+    a, b = parse_metrics(before), parse_metrics(after)
+    out: dict[str, Any] = {}
+    n = b.get("admitted", 0) - a.get("admitted", 0)
+    if n > 0:
+        out["admitted"] = n
+        out["steps_per_admitted"] = round((b.get("admission_steps", 0) - a.get("admission_steps", 0)) / n, 3)
+        out["early_share"] = round((b.get("early_admissions", 0) - a.get("early_admissions", 0)) / n, 3)
+    for k, (tot, cnt) in ((k[:-6], v) for k, v in b.items() if k.endswith("_sum_n")):
+        t0, c0 = a.get(f"{k}_sum_n", (0.0, 0.0))
+        if cnt > c0:
+            out[f"{k}_ms"] = round((tot - t0) / (cnt - c0) * 1e3, 3)
     return out
 
 
@@ -354,26 +384,32 @@ def drive(args, model: str, urls: dict, tag: str, rnd: int, out: Path) -> list[d
             "--result-filename", name]})
     env = {**os.environ, **_env(_root())}
     windows = out / f"{tag}.windows.json"
-    p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(pts), str(windows), *common], capture_output=True,
-                       text=True, env=env, timeout=3600)
+    pd = urls["pd"] if urls.get("pd_role") == "ec_consumer" else ""
+    p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(pts), str(windows), pd, *common],
+                       capture_output=True, text=True, env=env, timeout=3600)
     (out / f"{tag}.bench.log").write_text(p.stdout + p.stderr)
     spans = json.loads(windows.read_text()) if windows.exists() else {}
     pd_trace = request_trace.read(urls["trace"], urls["pd_role"]) if urls.get("trace") else []
     e_trace = request_trace.read(urls["trace"], "ec_producer") if urls.get("trace") else []
     rows = []
+    prev = (spans.get("") or [0, 0, ""])[2]
     for pt in pts:
         f = out / pt["tag"]
         res = json.loads(f.read_text()) if f.exists() else {}
         span = spans.get(pt["tag"])
+        phases = point_phases(prev, span[2]) if span and prev and span[2] else {}
+        prev = span[2] if span else ""
+        span = span[:2] if span else None
         rows.append({"images": pt["images"], "concurrency": pt["concurrency"],
                      "completed": res.get("completed", 0), "failed": res.get("failed", args.prompts if not res else 0),
                      "req_s": res.get("request_throughput"), "ttft_p50_ms": res.get("p50_ttft_ms"),
                      "ttft_p99_ms": res.get("p99_ttft_ms"), "e2el_p50_ms": res.get("p50_e2el_ms"),
-                     "pd_queue": request_trace.summarize(pd_trace, *span) if span else {},
+                     "pd_queue": request_trace.summarize(pd_trace, *span) if span else {}, "pd_phases": phases,
                      "e_queue": request_trace.summarize(e_trace, *span) if span else {}})
         q = rows[-1]["pd_queue"]
         rows[-1].update(pd_queue_p50_ms=q.get("queue_p50_ms"), pd_steps_mean=q.get("steps_mean"),
-                        pd_step_ms=q.get("step_ms"))
+                        pd_step_ms=q.get("step_ms"), pd_admit_ms=phases.get("admit_ms"),
+                        pd_early_share=phases.get("early_share"))
     return rows
 
 
@@ -390,7 +426,7 @@ def summarize(rows: list[dict], deps: list[str], ref: str) -> list[dict]:
             s: dict[str, Any] = {"images": images, "concurrency": conc, "deployment": d, "rounds": len(mine),
                                  "failed": sum(r["failed"] or 0 for r in mine),
                                  "completed": sum(r["completed"] or 0 for r in mine)}
-            for k in ("pd_steps_mean", "pd_step_ms"):
+            for k in ("pd_steps_mean", "pd_step_ms", "pd_admit_ms", "pd_early_share"):
                 vals = [r[k] for r in mine if r.get(k) is not None]
                 s[k] = round(statistics.median(vals), 3) if vals else None
             for k in ("ttft_p50_ms", "ttft_p99_ms", "req_s", "pd_queue_p50_ms"):
@@ -423,13 +459,15 @@ def queue_table(summary: list[dict], ref: str) -> str:
     """Where the PD's requests waited: vLLM's queue time (added to the scheduler -> first scheduled)
     and the engine steps in between, from the engines' traces (the colocated instance for
     ``colocated``)."""
-    lines = [f"| images | conc | deployment | PD queue p50 ms | ÷ {ref} | steps waited (mean) | one step ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"| images | conc | deployment | PD queue p50 ms | ÷ {ref} | steps waited (mean) | one step ms | "
+             "NixlEC admit ms (mean) | admitted early |", "|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
         r = s.get("pd_queue_p50_ms_ratio")
+        early = s.get("pd_early_share")
         lines.append(f"| {s['images']} | {s['concurrency']} | {s['deployment']} | {s.get('pd_queue_p50_ms')} | "
                      f"{f'{r[0]:.2f} ({r[1]:.2f}-{r[2]:.2f})' if r else '—'} | {s.get('pd_steps_mean')} | "
-                     f"{s.get('pd_step_ms')} |")
+                     f"{s.get('pd_step_ms')} | {s.get('pd_admit_ms') if s.get('pd_admit_ms') is not None else '—'} | "
+                     f"{f'{early:.0%}' if early is not None else '—'} |")
     return "\n".join(lines)
 
 
@@ -529,7 +567,8 @@ def main(argv: Optional[list] = None) -> int:
     print("\nconnector phases (means, ms; PD's /metrics and E's side channel at the end of each run):")
     for ph in phases:
         if ph["pd"] or ph["e"]:
-            print(f"  r{ph['round']} {ph['deployment']}: PD {ph['pd']} E {ph['e']}")
+            pd = {k: v for k, v in ph["pd"].items() if not k.endswith("_sum_n")}
+            print(f"  r{ph['round']} {ph['deployment']}: PD {pd} E {ph['e']}")
     print(cpu_table(phases, deps))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
