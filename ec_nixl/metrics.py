@@ -37,7 +37,7 @@ COUNTERS = (
     "admission_steps",  # consumer scheduler: engine steps those requests waited from first sight
     "early_admissions",  # consumer scheduler: of admitted, admitted before their Holds answered
     "early_reverted",  # consumer scheduler: early items a Hold refused before they were scheduled (gated again)
-    "unplaced_loads",  # consumer scheduler: loads sent to the workers without a place (they ask for it: a Get)
+    "unplaced_loads",  # consumer scheduler: early loads over READ links sent without a place (the workers Get it)
     "holds_parked",  # producer: Holds and Gets that waited for items not published yet (wait_s)
     "pushes_parked",  # producer: Pushes that waited for items not published yet (Push.wait_s)
     "expected_items",  # consumer scheduler: items asked for before their encoder finished (ec_nixl_expect)

@@ -316,7 +316,7 @@ class SchedulerSide:
             spec = self._ready.get(h)
             if spec is not None and spec.block >= 0:
                 s.block, s.valid_until, s.incarnation = spec.block, spec.valid_until, spec.incarnation
-            else:
+            elif self._link_mode.get(s.producer) != "write":  # (a pushed item needs no place)
                 self.metrics.count("unplaced_loads")
 
     def _learn_links(self, stats: dict) -> None:
