@@ -3,9 +3,10 @@ deployments, one connector against another, on this machine.
 
 Each round starts every deployment afresh in turn (interleaved: a noisy host drifts between
 deployments, not within a round), drives it with ``vllm.benchmarks.serve`` (dataset
-``random-mm``, a sweep over concurrency and images per request, ``--ignore-eos``), reads the
-connector's control-path phases from the instances' Prometheus ``/metrics`` and stops it. The
-deployments:
+``random-mm``, a sweep over concurrency and images per request, ``--ignore-eos``; each point
+draws its images from its own seed, the same for every deployment of a round, so no point is
+served from the encoder caches an earlier point filled), reads the connector's control-path
+phases from the instances' Prometheus ``/metrics`` and stops it. The deployments:
 
 * ``colocated``: one vLLM instance, no EC connector (on all the cores the others share);
 * ``nixl``: 1 E + 1 PD with NixlECConnector behind ``ec-nixl serve-disagg``'s proxy in its
@@ -23,7 +24,10 @@ deployments:
 
 Reported per (images, concurrency): each deployment's TTFT p50/p99, req/s and failures (medians
 over rounds), and each one's ratios to the reference deployment (``--reference``, default
-``example``) computed per round, then the median with its spread. ``--json`` keeps every row,
+``example``) computed per round, then the median with its spread; where the PD's requests waited
+(vLLM's queue time and the engine steps in between, from every engine's scheduler trace:
+``request_trace``), and for NixlEC the connector's admission per point (from the PD's ``/metrics``
+before and after it). ``--json`` keeps every row,
 ``--plot`` draws TTFT p50 against concurrency. Each deployment's CPU per completed request is
 printed by instance and by its busiest threads. Runs on CPU with a tiny model (``--model`` omitted:
 the e2e tests' tiny Qwen2-VL is built under ``--out``) or on a GPU host with a real model.
