@@ -97,8 +97,8 @@ BREAKAGES: tuple[Breakage, ...] = (
     Breakage(
         name="early-admission-ignores-silence",
         guarantee="a producer that leaves a Hold unanswered gets no early admissions (no step waits on it)",
-        file="ec_nixl/vllm/scheduler.py",
-        old="""        return not asked or now - asked[0].t_asked <= _SILENT_S
+        file="ec_nixl/vllm/producers.py",
+        old="""        return not asked or now - asked[0].t_asked <= SILENT_S
 """,
         new="""        return True  # BROKEN: a silent producer still gets early admissions
 """,

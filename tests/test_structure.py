@@ -109,7 +109,7 @@ OVERSIZED = {
     # Classes already over the limit when it was set (issue 25 splits them): each may only
     # shrink; delete its entry once it is under MAX_CLASS_LINES.
     "ec_nixl/published.py::Published": 409,
-    "ec_nixl/vllm/scheduler.py::SchedulerSide": 460,
+    "ec_nixl/vllm/scheduler.py::SchedulerSide": 439,
 }
 
 

@@ -342,7 +342,7 @@ def test_busy_engine_defers_admission_only_for_loads_it_measured_as_long(produce
     assert digest(cache["fast"]) == digest(make_item(8, (ROWS, WIDTH), "bfloat16"))
     # The worker's link probe measured the link (its report reaches the scheduler): still fast.
     sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=worker.worker_meta()))
-    assert sched._link_gbps.get(producer.address, 0) > 0.01, sched._link_gbps
+    assert sched.producers.gbps.get(producer.address, 0) > 0.01, sched.producers.gbps
     again = request("c-again", [feature("fast")], params_for("fast", producer.address))
     assert admit(sched, again) and sched.metrics.snapshot()["counters"]["prefetch_defers"] == 0
     # At 1 MB/s the next item's 2.3 KB would take 2.3 ms >= 2 ms: a step later.
@@ -630,7 +630,7 @@ def test_a_silent_producer_gets_no_early_admissions(producer, consumer_sides):
     a new request waits for its Hold (gated) instead of being scheduled into a step whose worker
     would then wait for that producer. Once it answers again, the waiting request is admitted and
     early admission resumes."""
-    from ec_nixl.vllm.scheduler import _SILENT_S
+    from ec_nixl.vllm.producers import SILENT_S
 
     vc, sched, worker = consumer_sides({"peer_timeout_s": "10"})
     _warm(sched, producer)
@@ -639,7 +639,7 @@ def test_a_silent_producer_gets_no_early_admissions(producer, consumer_sides):
     producer.stop()
     try:
         assert sched.ensure_cache_available(first, 0) is True, "connected and answering: admitted early"
-        time.sleep(_SILENT_S + 0.1)  # its Hold is now unanswered for longer than _SILENT_S
+        time.sleep(SILENT_S + 0.1)  # its Hold is now unanswered for longer than SILENT_S
         second = request("s2", [feature("s2")], params_for("s2", producer.address))
         assert sched.ensure_cache_available(second, 0) is False, "admitted early from a silent producer"
         assert not sched.has_cache_item("s2")

@@ -32,8 +32,10 @@ A request may arrive before its encoder has finished (``ec_nixl_expect``: the pr
 both at once): its items are then expected at the named producer, and their Hold waits there
 until they are published, so the request's own preprocessing overlapped the encoder's work.
 
-Producer: ``request_finished`` announces each encoded item (shape, dtype, bytes, producer
-address) in ``ec_transfer_params`` and returns False (delay-free would leak the request).
+Producer: ``request_finished`` announces each encoded item (``announce.Announcer``). What a
+consumer's scheduler knows of each producer (Holds in flight, failures, link probes) is
+``producers.ProducerView``; what an item of this model is (shape, media) is
+``features.FeatureFacts``.
 """
 
 from __future__ import annotations
@@ -47,12 +49,13 @@ from typing import Optional
 from ec_nixl import protocol as P
 from ec_nixl.endpoint import Endpoint
 from ec_nixl.queries import HoldRequest
-from ec_nixl.states import LinkState
 from ec_nixl.metrics import Metrics
 from ec_nixl.params import parse_expect
-from ec_nixl.vllm.metadata import (LoadSpec, NixlECMetadata, NixlECWorkerMeta, RemoteItem, build_params,
-                                   parse_params)
+from ec_nixl.vllm.announce import Announcer
+from ec_nixl.vllm.features import FeatureFacts
+from ec_nixl.vllm.metadata import LoadSpec, NixlECMetadata, NixlECWorkerMeta, RemoteItem, parse_params
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
+from ec_nixl.vllm.producers import ProducerView
 from ec_nixl.vllm.stats import NixlECConnectorStats, merge_data
 
 logger = logging.getLogger("ec_nixl.vllm")
@@ -61,11 +64,6 @@ _RETRY = {P.Nack.NOT_READY.value, P.Nack.BUSY.value, "TIMEOUT"}
 OUTCOME_KEY = "ec_nixl_consumer"
 """Key of a consumer's answer ``ec_transfer_params``: {"loaded": [...], "local": [...]} mm hashes."""
 _HOLD_REFRESH_S = 0.5  # re-hold a waiting request's items when less than this fraction of the lease is left
-_SILENT_S = 0.25
-"""A producer with a Hold unanswered this long is not admitted early from: its requests wait for
-their Holds (gated) until it answers again, so a stalled producer holds up no engine step."""
-_DISTRUST_S = 5.0
-"""After a load from a producer failed in a worker, its requests are gated this long."""
 _STEPS_KEPT = 4
 """Metadata objects whose SchedulerOutput reference is kept: more than the steps vLLM has in
 flight, so every worker has used it before it is cleared (which breaks the reference cycle)."""
@@ -107,16 +105,52 @@ def _end(feature) -> int:
     return feature.mm_position.offset + feature.mm_position.length
 
 
+def _expect(adm: _Admission, request, params, num_computed_tokens: int, facts: FeatureFacts) -> None:
+    """``ec_nixl_expect``: the request reached us while its encoder still runs at the named
+    producer. Each of its items not announced otherwise is expected there under its own
+    identifier, with the shape this model gives it (rows from the placeholder, width and dtype as
+    a producer of this model publishes them); the producer's answer is checked against that like
+    any announcement."""
+    producer, why = parse_expect(params)
+    if why:
+        adm.errors.setdefault("*", why)
+        return
+    if producer is None:
+        return
+    for f in request.mm_features:
+        h = f.identifier
+        if h in adm.remote or h in adm.errors or _end(f) <= num_computed_tokens:
+            continue
+        desc = facts.describe(f)
+        if desc is not None:
+            adm.remote[h] = RemoteItem(desc, producer)
+            adm.expected.add(h)
+
+
+def _outcome(adm: Optional[_Admission]) -> Optional[dict]:
+    """Consumer: which announced items were loaded and which encoded here (the answer's
+    ``ec_transfer_params``, non-streamed answers only; for clients, proxies and tests)."""
+    if adm is None or not adm.items:
+        return None
+    items = adm.items.items()
+    return {OUTCOME_KEY: {"loaded": sorted(h for h, it in items if it.loaded and it.status == "ready"),
+                          "local": sorted(h for h, it in items if it.status == "local")}}
+
+
 class SchedulerSide:
     def __init__(self, vllm_config, opts: NixlECOptions, place: Placement):
         self.vllm_config = vllm_config
         self.opts = opts
         self.place = place
-        self.dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        self.facts = FeatureFacts(vllm_config)
+        self.dtype = self.facts.dtype
         self.metrics = Metrics()
+        self.announcer = Announcer(self.facts, opts, place)  # producer: what a finished request announces
         self.endpoint: Optional[Endpoint] = None
+        self.producers: Optional[ProducerView] = None
         if place.is_consumer:
             self.endpoint = Endpoint(endpoint_config(place, opts, compat_fields(vllm_config, opts), control_only=True))
+            self.producers = ProducerView(self.endpoint, place.readers, opts.prefetch_defer_s)
         self._reqs: dict[str, _Admission] = {}
         self._ready: dict[str, LoadSpec] = {}  # mm_hash -> where to load it from (held)
         self._users: dict[str, set[str]] = {}  # mm_hash -> request ids that need it
@@ -128,18 +162,9 @@ class SchedulerSide:
         self._idle_blocked_step = -1  # the step in which an idle engine last blocked for a Hold answer
         self._unavailable: set[str] = set()
         self._worker_stats: Optional[dict] = None
-        self._publish: list[str] = []
-        self._encoded_for: dict[str, set[str]] = {}  # producer: request id -> items encoded (so published) for it
         self._release: list[str] = []
         self._loaded: set[str] = set()  # remote items handed to workers, not yet released
         self._with_step: collections.deque[NixlECMetadata] = collections.deque()
-        self._resolver = None
-        self._link_gbps: dict[str, float] = {}  # producer address -> GB/s, from the workers' link probes
-        self._link_mode: dict[str, str] = {}  # producer address -> "read" | "write", the workers' links
-        self._distrust: dict[str, float] = {}  # producer -> until when (monotonic) it gets no early admissions
-        self._asked: dict[str, collections.deque[HoldRequest]] = {}  # producer -> Holds to answer at once, as sent
-        self._media_fields: dict[str, set[str]] = {}
-        self._width_warned = False
 
     # ================================================================ consumer: admission
 
@@ -174,7 +199,7 @@ class SchedulerSide:
                 spec = self._ready.get(h)
                 if spec is not None and it.hold is None and spec.block >= 0 and \
                         time.time() > spec.valid_until - self.opts.endpoint.announce_lease_s * _HOLD_REFRESH_S:
-                    it.hold = self._hold(it.remote.producer, [h])
+                    it.hold = self.producers.hold(it.remote.producer, [h])
                 if it.hold is not None and it.hold.done:
                     self._take_answer(adm, h, it, now)
                 if it.status == "ready":
@@ -228,29 +253,14 @@ class SchedulerSide:
 
     def _worth_a_step(self, adm: _Admission) -> bool:
         """Whether the transfers this step's metadata starts for ``adm`` (its prefetches) are long
-        enough to keep it out of this step (``_long``)."""
-        return self._long([adm.items[s.desc.mm_hash] for s in self._prefetch if s.desc.mm_hash in adm.items])
-
-    def _long(self, items: list[_Item]) -> bool:
-        """Whether moving ``items`` takes ``prefetch_defer_s`` or more: their bytes over each
-        producer link's bandwidth, as the workers' link probe measured it at handshake. An
-        unmeasured link counts as fast: on the links we run (loopback, NVLink, RDMA) an item lands
-        in micro- to milliseconds, while a deferred request waits a whole step of the batch
-        (measured on the 2-core box, 2026-12-04: one step per request under load, ~5 ms of
-        admission each). (The load times themselves do not tell the link's speed: a prefetch's
-        completion is seen only at the worker's next poll.)"""
-        limit = self.opts.prefetch_defer_s
-        seconds = 0.0
-        for it in items:
-            gbps = self._link_gbps.get(it.remote.producer)
-            if gbps:
-                seconds += it.remote.desc.nbytes / (gbps * 1e9)
-        return bool(items) and (limit <= 0 or seconds >= limit)
+        enough to keep it out of this step (``ProducerView.long``)."""
+        return self.producers.long([adm.items[s.desc.mm_hash].remote for s in self._prefetch
+                                    if s.desc.mm_hash in adm.items])
 
     def _admit_early(self, adm: _Admission) -> bool:
         """Admit ``adm`` now, before its Holds answer, where a miss costs no more than a local
         encode: every remote item carries its media (``fallback`` 'auto'), none is expected from
-        an encoder still running, each producer is connected and answering (``_answering``), and
+        an encoder still running, each producer is connected and answering (``ProducerView.answering``), and
         the engine is idle or the items' transfers are not measured as long (those keep their
         prefetch step). Its items become ready with a provisional place (block -1): the end of the
         step gives each load the place its Hold answered (``_place_loads``)."""
@@ -261,9 +271,9 @@ class SchedulerSide:
         if any(it.status != "holding" or not it.has_media for it in items):
             return False
         now = time.monotonic()
-        if not all(self._answering(p, now) for p in {it.remote.producer for it in items}):
+        if not all(self.producers.answering(p, now) for p in {it.remote.producer for it in items}):
             return False
-        if self._busy and self._long(items):
+        if self._busy and self.producers.long([it.remote for it in items]):
             return False
         for h, it in adm.items.items():
             it.status, it.early = "ready", True
@@ -271,20 +281,6 @@ class SchedulerSide:
                 self._ready[h] = LoadSpec("", it.remote.desc, it.remote.producer, -1, 0.0)
         self.metrics.count("early_admissions")
         return True
-
-    def _answering(self, producer: str, now: float) -> bool:
-        """The producer's control link is up and it answers: no Hold to it (other than one that
-        may wait at it for an item being encoded) has been out ``_SILENT_S``, and no load from it
-        failed in a worker within ``_DISTRUST_S``. Else its requests wait for their Holds."""
-        if self._distrust.get(producer, 0.0) > now:
-            return False
-        link = self.endpoint.links.find(producer)
-        if link is None or link.state is not LinkState.READY:
-            return False
-        asked = self._asked.get(producer)  # its Holds in the order sent: the oldest unanswered first
-        while asked and asked[0].done:
-            asked.popleft()
-        return not asked or now - asked[0].t_asked <= _SILENT_S
 
     def _place_loads(self) -> None:
         """The step's loads of early-admitted items get the places their Holds answered. The Holds
@@ -303,7 +299,7 @@ class SchedulerSide:
         if not early:
             return
         out = [it.hold for _, s, it in early if it.hold is not None and not it.hold.done
-               and self._link_mode.get(s.producer) != "write"]
+               and not self.producers.pushes(s.producer)]
         if out and self.opts.admission_wait_s > 0:
             t0 = time.monotonic()
             self.endpoint.wait_for(lambda: all(h.done for h in out), self.opts.admission_wait_s)
@@ -316,14 +312,8 @@ class SchedulerSide:
             spec = self._ready.get(h)
             if spec is not None and spec.block >= 0:
                 s.block, s.valid_until, s.incarnation = spec.block, spec.valid_until, spec.incarnation
-            elif self._link_mode.get(s.producer) != "write":  # (a pushed item needs no place)
+            elif not self.producers.pushes(s.producer):  # (a pushed item needs no place)
                 self.metrics.count("unplaced_loads")
-
-    def _learn_links(self, stats: dict) -> None:
-        """The workers' link probes (producer address -> GB/s, for ``_long``) and modes (for
-        ``_place_loads``)."""
-        self._link_gbps.update(stats.get("link_gbps") or {})
-        self._link_mode.update(stats.get("link_mode_at") or {})
 
     def _admit(self, request, num_computed_tokens: int) -> _Admission:
         """First sight of a request: validate its params once, decide what is remote or local.
@@ -339,45 +329,20 @@ class SchedulerSide:
         if params:
             expected = {f.identifier: f.mm_position.get_num_embeds() for f in request.mm_features}
             adm.remote, adm.errors = parse_params(params, expected, self.dtype)
-            self._expect(adm, request, params, num_computed_tokens)
+            _expect(adm, request, params, num_computed_tokens, self.facts)
+            if adm.expected:
+                self.metrics.count("expected_items", len(adm.expected))
         by_id = {f.identifier: f for f in request.mm_features if _end(f) > num_computed_tokens}
         for h, why in adm.errors.items():
             f = by_id.get(h)
             msg = f"request {rid}: bad ec_transfer_params for item {h}: {why}"
-            if f is not None and self._has_media(f) and self.opts.fallback == "auto":
+            if f is not None and self.facts.has_media(f) and self.opts.fallback == "auto":
                 logger.warning("%s; encoding it locally", msg)
                 self.metrics.count("local_fallbacks")
             else:
                 logger.warning("%s", msg)
         self._decide(adm, request, num_computed_tokens)
         return adm
-
-    def _expect(self, adm: _Admission, request, params, num_computed_tokens: int) -> None:
-        """``ec_nixl_expect``: the request reached us while its encoder still runs at the named
-        producer. Each of its items not announced otherwise is expected there under its own
-        identifier, with the shape this model gives it (rows from the placeholder, width and
-        dtype as a producer of this model publishes them); the producer's answer is checked
-        against that like any announcement."""
-        producer, why = parse_expect(params)
-        if why:
-            adm.errors.setdefault("*", why)
-            return
-        if producer is None:
-            return
-        for f in request.mm_features:
-            h = f.identifier
-            if h in adm.remote or h in adm.errors or _end(f) <= num_computed_tokens:
-                continue
-            width = self._width(f.modality)
-            if width is None:
-                continue
-            rows = f.mm_position.get_num_embeds()
-            desc = P.ItemDesc(mm_hash=h, shape=[rows, width], dtype=self.dtype,
-                              nbytes=rows * width * P.DTYPE_SIZES[self.dtype])
-            adm.remote[h] = RemoteItem(desc, producer)
-            adm.expected.add(h)
-        if adm.expected:
-            self.metrics.count("expected_items", len(adm.expected))
 
     def _decide(self, adm: _Admission, request, lo: int, hi: Optional[int] = None) -> None:
         """Decide the features whose placeholder ends in (lo, hi]: remote, local or failed."""
@@ -390,10 +355,10 @@ class SchedulerSide:
             remote = adm.remote.get(h)
             if remote is not None:
                 if h not in adm.items:
-                    adm.items[h] = _Item(remote, self._has_media(f), end)
+                    adm.items[h] = _Item(remote, self.facts.has_media(f), end)
                     self._users.setdefault(h, set()).add(rid)
                     added = True
-            elif not self._has_media(f):
+            elif not self.facts.has_media(f):
                 why = adm.errors.get(h) or adm.errors.get("*") or "no ec_transfer_params for it"
                 adm.failed = (f"request {rid}: item {h} carries no media to encode here and "
                               f"cannot be loaded ({why})")
@@ -415,16 +380,10 @@ class SchedulerSide:
             # Expected items: the producer answers when they are published (or at the end of
             # the wait), so their READ starts the moment the bytes exist, with no polling.
             wait = max(0.0, self.opts.expect_wait_s - (now - adm.t0)) if expected else 0.0
-            hr = self._hold(producer, hashes, timeout=max(1.0, self.opts.endpoint.peer_timeout_s), wait_s=wait)
+            hr = self.producers.hold(producer, hashes, timeout=max(1.0, self.opts.endpoint.peer_timeout_s),
+                                     wait_s=wait)
             for h in hashes:
                 adm.items[h].hold = hr
-
-    def _hold(self, producer: str, hashes: list[str], timeout: float = 2.0, wait_s: float = 0.0) -> HoldRequest:
-        """Send a Hold; one that must be answered at once is remembered for ``_answering``."""
-        hr = self.endpoint.hold_async(producer, hashes, self.place.readers, timeout=timeout, wait_s=wait_s)
-        if not wait_s:
-            self._asked.setdefault(producer, collections.deque()).append(hr)
-        return hr
 
     def _advance(self, adm: _Admission, h: str, it: _Item, now: float) -> None:
         if it.hold is None or not it.hold.done:
@@ -501,24 +460,6 @@ class SchedulerSide:
             adm.failed = msg
         self.metrics.fail(why.split(":")[0])
 
-    def _has_media(self, feature) -> bool:
-        """True when the item can be encoded here (not a metadata-only placeholder)."""
-        data = getattr(feature, "data", None)
-        if data is None:
-            return False
-        meta = self._media_fields.get(feature.modality)
-        if meta is None:
-            try:
-                if self._resolver is None:
-                    from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
-
-                    self._resolver = PlaceholderMetadataResolver(self.vllm_config.model_config)
-                meta = set(self._resolver.fields_for(feature.modality))
-            except Exception:
-                meta = set()
-            self._media_fields[feature.modality] = meta
-        return any(k not in meta for k in data.keys())
-
     def has_cache_item(self, identifier: str) -> bool:
         return identifier in self._ready
 
@@ -528,7 +469,7 @@ class SchedulerSide:
         if spec is not None:
             adm = self._reqs.get(request.request_id)
             it = adm.items.get(h) if adm is not None else None
-            media = it.has_media if it is not None else self._has_media(request.mm_features[index])
+            media = it.has_media if it is not None else self.facts.has_media(request.mm_features[index])
             if it is not None:
                 it.loaded = True
             self._loads.append(LoadSpec(request.request_id, spec.desc, spec.producer, spec.block,
@@ -537,8 +478,7 @@ class SchedulerSide:
             self._loaded.add(h)
             self._prefetched.discard(h)
         elif self.place.is_producer:
-            self._publish.append(h)  # computed here (an ec_both engine does not re-serve loads)
-            self._encoded_for.setdefault(request.request_id, set()).add(h)
+            self.announcer.encoded(request.request_id, h)
 
     def update_state_after_free(self, request, index: int) -> None:
         """The item's embeddings are in the KV cache: workers may give its pool slot back."""
@@ -549,9 +489,9 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> NixlECMetadata:
         self._place_loads()
-        meta = NixlECMetadata(loads=self._loads, prefetch=self._prefetch, publish=self._publish,
+        meta = NixlECMetadata(loads=self._loads, prefetch=self._prefetch, publish=self.announcer.take_publish(),
                               release=self._release)
-        self._loads, self._prefetch, self._publish, self._release = [], [], [], []
+        self._loads, self._prefetch, self._release = [], [], []
         self._busy = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0
         self._step += 1
         if meta.loads:  # workers may add a failed load to this step's encoder inputs (WorkerSide)
@@ -569,7 +509,7 @@ class SchedulerSide:
             adm = self._reqs.get(req_id)
             it = adm.items.get(h) if adm is not None else None
             if it is not None:  # its producer gets no early admissions for a while
-                self._distrust[it.remote.producer] = time.monotonic() + _DISTRUST_S
+                self.producers.distrust(it.remote.producer)
         for rank, req_id, h, why in m.failed:
             logger.error("request %s failed: encoder output %s did not land on rank %d: %s", req_id, h, rank, why)
             self._unavailable.add(req_id)
@@ -588,28 +528,17 @@ class SchedulerSide:
             self.metrics.count("local_fallbacks")
             self.metrics.count("late_fallbacks")
         if m.stats:
-            self._learn_links(m.stats)
+            self.producers.learn(m.stats)
             self._worker_stats = merge_data(self._worker_stats, m.stats)
 
     def take_unavailable_requests(self) -> set[str]:
         out, self._unavailable = self._unavailable, set()
         return out
 
-    # ================================================================ producer: announcements
-
-    @staticmethod
-    def _outcome(adm: Optional[_Admission]) -> Optional[dict]:
-        """Consumer: which announced items were loaded and which encoded here (the answer's
-        ``ec_transfer_params``, non-streamed answers only; for clients, proxies and tests)."""
-        if adm is None or not adm.items:
-            return None
-        items = adm.items.items()
-        return {OUTCOME_KEY: {"loaded": sorted(h for h, it in items if it.loaded and it.status == "ready"),
-                              "local": sorted(h for h, it in items if it.status == "local")}}
+    # ================================================================ request finished (both roles)
 
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
         adm = self._reqs.pop(request.request_id, None)
-        encoded_here = self._encoded_for.pop(request.request_id, set())
         loaded_here: set[str] = set()  # ec_both: items that came from another producer
         if adm is not None:
             loaded_here = {h for h, it in adm.items.items() if it.status == "ready"}
@@ -630,53 +559,10 @@ class SchedulerSide:
                             unread.setdefault(it.remote.producer, []).append(h)
             for producer, hashes in unread.items():
                 self.endpoint.release(producer, hashes, self.place.readers)
+        params = self.announcer.finished(request, loaded_here)
         if not self.place.is_producer or not request.mm_features:
-            return False, self._outcome(adm)
-        items = {}
-        for f in request.mm_features:
-            if f.identifier in loaded_here:
-                continue  # ec_both announces what it encoded, not what it loaded
-            width = self._width(f.modality)
-            if width is None:
-                continue
-            rows = f.mm_position.get_num_embeds()
-            items[f.identifier] = P.ItemDesc(mm_hash=f.identifier, shape=[rows, width], dtype=self.dtype,
-                                             nbytes=rows * width * P.DTYPE_SIZES[self.dtype])
-            if f.identifier not in encoded_here:
-                # An encoder-cache hit: published for an earlier request and maybe freed since.
-                # Not what this request's own step published: a consumer that asked before we
-                # finished (the overlapped flow) may have read and freed it already, and a copy
-                # published again would wait, unread, for its lease to end.
-                self._publish.append(f.identifier)
-        if not items:
-            return False, None
-        base = None
-        try:
-            from vllm.distributed.ec_transfer.ec_connector.utils import (
-                PlaceholderMetadataResolver,
-                collect_ec_item_metadata,
-            )
-
-            if self._resolver is None:
-                self._resolver = PlaceholderMetadataResolver(self.vllm_config.model_config)
-            base = collect_ec_item_metadata(request.mm_features, self._resolver)  # item_indices count every item
-        except Exception as e:  # metadata for metadata-only consumers is optional
-            logger.debug("collect_ec_item_metadata unavailable: %s", e)
-        host = self.opts.advertise_host or self.place.ip
-        return False, build_params(items, f"{host}:{self.place.producer_port}", base)
-
-    def _width(self, modality: str) -> Optional[int]:
-        widths = getattr(self.vllm_config.ec_transfer_config, "mm_encoder_output_widths", None) or {}
-        if modality in widths:
-            return int(widths[modality])
-        try:
-            w = int(self.vllm_config.model_config.get_inputs_embeds_size())
-        except Exception:
-            return None
-        if not self._width_warned:
-            logger.warning("no measured encoder output width for %s; using the LM embedding size %d", modality, w)
-            self._width_warned = True
-        return w
+            return False, _outcome(adm)
+        return False, params
 
     # ================================================================ both
 
