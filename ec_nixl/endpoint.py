@@ -47,6 +47,9 @@ logger = logging.getLogger("ec_nixl")
 ACTIVE_S = 5.0
 """After a peer's last request or notification, the loop runs more often for this long (see
 ``_activity_hint``), then falls back to its idle period."""
+STATS_DETAIL_MAX = 32
+"""``stats()`` says what keeps each item alive and who is connected while there are at most this
+many of them (a full pool's table would swamp the answer)."""
 
 
 class Endpoint:
@@ -246,6 +249,10 @@ class Endpoint:
             snap["pool"] = vars(self.pool.stats())
         snap["items"] = len(self.items) if self.items is not None else 0
         snap["sessions"] = len(self.server) if self.server is not None else 0
+        if self.items is not None and len(self.items) <= STATS_DETAIL_MAX:
+            snap["holding"] = self.items.inspect()  # why each item is still here
+        if self.server is not None and len(self.server) <= STATS_DETAIL_MAX:
+            snap["consumers"] = self.server.names()
         snap["peers"] = len(self.links)
         return snap
 

@@ -112,6 +112,11 @@ class Server:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def names(self) -> dict[str, str]:
+        """Session id -> consumer name, group and kind (for status output)."""
+        return {sid: f"{s.name} (group {s.group}{', observer' if s.observer else ''})"
+                for sid, s in self._sessions.items()}
+
     def session(self, sid: str) -> Optional[Session]:
         return self._sessions.get(sid)
 

@@ -19,9 +19,11 @@ What the cases prove:
   marks requests it sent without encoder (encoder down). Remote serving resumes after each
   restart; the window of local fallbacks and the time from "encoder healthy" to the first remote
   request are printed (``[timing]``); the encoder and PD pools end empty;
-* consumer killed while the encoder holds items for it: a request whose first image the encoder
-  has (held at once) and whose second it does not (the PD keeps asking, ``missing_grace_s``) keeps
-  the hold in place; the PD's process group is SIGKILLed. The encoder ends the PD's sessions and
+* consumer killed while the encoder holds items for it: a request of two metadata-only images
+  (no pixels: the request is gated), the first of which the encoder has (held at once, its claim
+  checked in the encoder's status) and the second it does not (the PD keeps asking,
+  ``missing_grace_s``), keeps the hold in place; the PD's process
+  group is SIGKILLed. The encoder ends the PD's sessions and
   frees the held item within ``link_timeout_s``; the PD restarted on the same ports serves
   requests remotely, token-identical, and both pools end empty.
 
@@ -36,7 +38,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
@@ -345,42 +347,58 @@ def test_rolling_encoder_restarts_cost_no_request(rig: Restarts, baseline: Basel
     assert_drained(rig, "after the rolling restarts")
 
 
-def _held_body(model: str, tag: str) -> tuple[dict[str, Any], dict[str, Any], str, str]:
-    """Two images with uuids (their mm identifiers): the encoder gets only the first; the consumer
-    is told the encoder has both, so it holds the first and keeps asking for the second.
-    Returns (PD body, encoder body, uuid held, uuid missing)."""
+def _held_bodies(model: str, tag: str) -> tuple[dict[str, Any], Callable[[dict[str, Any]], dict[str, Any]], str, str]:
+    """The encoder gets one image (uuid ``held``); the consumer gets that image and a second one
+    (uuid ``missing``), both as metadata-only placeholders with the encoder's answer as their
+    ``ec_transfer_params``: it has no pixels to encode either itself, so the request is gated
+    (not admitted early): it holds the first and keeps asking for the second, which the encoder
+    never had. Returns (encoder body, PD body from the encoder's params, held, missing)."""
     held, missing = f"{tag}-held-{time.time_ns()}", f"{tag}-missing-{time.time_ns()}"
-    body = chat_body(model, [(96, 80), (96, 80)], tag)
-    parts = body["messages"][0]["content"]
-    parts[0]["uuid"], parts[1]["uuid"] = held, missing
-    enc = copy.deepcopy(body)
-    del enc["messages"][0]["content"][1]
-    return body, encoder_body(enc), held, missing
+    enc = chat_body(model, [(96, 80)], tag)
+    enc["messages"][0]["content"][0]["uuid"] = held
+
+    def pd_body(params: dict[str, Any]) -> dict[str, Any]:
+        params = copy.deepcopy(params)
+        params[missing] = copy.deepcopy(params[held])
+        meta = params[held].get("metadata") or {}
+        assert "image_grid_thw" in meta, f"the encoder's params carry no placeholder metadata: {params[held]}"
+        body = copy.deepcopy(enc)
+        text = [p for p in body["messages"][0]["content"] if p.get("type") == "text"]
+        body["messages"][0]["content"] = [
+            {"type": "image_embeds", "image_embeds": {"image_grid_thw": meta["image_grid_thw"]}, "uuid": u}
+            for u in (held, missing)] + text
+        return dict(body, ec_transfer_params=params)
+
+    return encoder_body(enc), pd_body, held, missing
 
 
 def test_consumer_killed_while_the_encoder_holds_items_for_it(rig: Restarts, baseline: Baseline) -> None:
     if rig.wedged:
         pytest.skip(rig.wedged)
-    body, enc, held, missing = _held_body(rig.model, "held")
+    enc, pd_body, held, missing = _held_bodies(rig.model, "held")
     r = requests.post(rig.encoder.url + "/v1/chat/completions", json=enc, timeout=REQUEST_TIMEOUT_S)
     assert r.status_code == 200, r.text[:300]
     params = r.json().get("ec_transfer_params") or {}
     assert held in params, f"the encoder did not announce {held}: {params}"
-    params[missing] = copy.deepcopy(params[held])
+    body = pd_body(params)
     sessions0 = rig.encoder_stats()["sessions"]
 
     def waiting_request() -> None:
         try:
-            requests.post(rig.pd.url + "/v1/chat/completions", json=dict(body, ec_transfer_params=params),
-                          timeout=REQUEST_TIMEOUT_S)
+            answer = requests.post(rig.pd.url + "/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+            answers.append(f"HTTP {answer.status_code}: {answer.text[:300]}")
         except requests.RequestException:
             pass  # the PD dies under it
 
+    answers: list[str] = []  # the PD must not answer: it waits for the missing item until it is killed
     client = threading.Thread(target=waiting_request, daemon=True)
     client.start()
     time.sleep(2.0)  # admitted: the first item held, the second asked for again and again
     st = rig.encoder_stats()
-    assert st["items"] == 1 and st["pool"]["used"] > 0, f"the encoder should hold {held} for the PD: {st}"
+    assert not answers, f"the PD answered a request it cannot serve yet: {answers}"
+    claimants = (st.get("holding") or {}).get(held, {}).get("interest") or {}
+    assert st["items"] == 1 and st["pool"]["used"] > 0 and claimants, (
+        f"the encoder should hold {held} for the PD (a consumer group's claim on it): {st}")
     reclaimed0 = st["counters"]["reclaimed_sessions"]
 
     t_kill = time.monotonic()
