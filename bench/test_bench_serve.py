@@ -107,8 +107,12 @@ def test_bench_serve_runs_every_deployment(tmp_path):
     pd, e = next((p["pd"], p["e"]) for p in res["phases"] if p["deployment"] == "nixl")
     assert pd.get("loads_landed", 0) >= 6 and pd.get("local_fallbacks", 0) == 0, pd
     assert pd.get("expected_items", 0) >= 1, pd
-    # E's side, read over its side channel: it published every image, and PD's Holds waited there
-    assert e.get("published", 0) >= 6 and e.get("holds_parked", 0) >= 1 and "publish_ms" in e, e
+    # E's side, read over its side channel: it published every image and reports its publish time
+    # and parked requests. Whether a PD Hold reached E before its publish (and was parked) is a
+    # race between E's encode and PD's preprocessing, so it is shown, not asserted: the parked
+    # path itself is proven in tests/test_expected_items.py and
+    # tests/e2e/test_e2e_nixl.py::test_request_that_reaches_pd_before_its_encoder_ran.
+    assert e.get("published", 0) >= 6 and "publish_ms" in e and "holds_parked" in e, e
     # CPU spent per request by each deployment's processes (E, PD, proxy: their whole trees).
     for d in deps:
         cpu = next(p["cpu_s"] for p in res["phases"] if p["deployment"] == d)

@@ -17,7 +17,7 @@ phases from the instances' Prometheus ``/metrics`` and stops it. The deployments
   ``ec_connector_extra_config`` settings on every instance (values parsed as JSON, else strings),
   to compare one setting in interleaved rounds: ``--deployments nixl,nixl@gil_switch_interval_s=null``;
 * ``mooncake``: 1 E + 1 PD with vLLM's ECMooncakeConnector (over TCP on CPU), driven by the
-  protocol it expects (the E request names the consumer; ``proxy --flow mooncake``). Needs
+  protocol it expects (the E request names the consumer; ``proxy --flow push``). Needs
   ``mooncake-transfer-engine-non-cuda`` and ``libibverbs.so.1`` on CPU (``scripts/setup_env.sh``
   puts Debian's into ``VENV/opt/ibverbs``, used by these instances only); on vLLM's CPU
   backend its instances get a fix of a vLLM gap (``mooncake_shim/sitecustomize.py``).
@@ -270,7 +270,8 @@ def producer_stats(address: Optional[str]) -> dict[str, Any]:
     except Exception as e:  # statistics are extra: never fail the run for them
         return {"error": str(e)[:200]}
     c = st.get("counters", {})
-    out: dict[str, Any] = {k: int(c.get(k, 0)) for k in ("published", "staging_copies", "holds_parked")}
+    out: dict[str, Any] = {k: int(c.get(k, 0)) for k in ("published", "staging_copies", "holds_parked",
+                                                            "pushes_parked")}
     pub = (st.get("phases") or {}).get("publish") or []
     if pub:
         out["publish_ms"] = round(statistics.mean(pub) * 1e3, 3)
