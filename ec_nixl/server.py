@@ -37,7 +37,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from ec_nixl import handshake
+from ec_nixl import epd_control, handshake
 from ec_nixl import protocol as P
 from ec_nixl.config import EndpointConfig, split_address
 from ec_nixl.errors import ConfigError, ECNixlError, ProtocolError
@@ -102,6 +102,7 @@ class Server:
             loop.close_socket(self._sock, self._monitor)
             raise ConfigError(f"cannot listen on {cfg.listen}: {e}") from None
         self.address = cfg.advertise or f"{host}:{port}"
+        self.port = port
         self.pusher = Pusher(published, transport, metrics, loop, self._sessions.get, self.reply) \
             if published is not None and transport is not None else None
         loop.add_socket(self._sock, self._serve_some)
@@ -121,10 +122,13 @@ class Server:
         return self._sessions.get(sid)
 
     def reply(self, identity: bytes, msg) -> None:
+        self._send([identity, P.encode(msg)])
+
+    def _send(self, frames: list[bytes]) -> None:
         try:
-            self._sock.send_multipart([identity, P.encode(msg)], zmq.NOBLOCK)
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as e:
-            logger.debug("reply to %r dropped: %s", identity, e)
+            logger.debug("reply to %r dropped: %s", frames[0], e)
 
     def close(self) -> None:
         self._loop.close_socket(self._sock, self._monitor)
@@ -140,6 +144,9 @@ class Server:
                 return
             if len(frames) < 2:
                 continue  # a frame count we never send: ignore
+            if len(frames) == 3 and not frames[1].bytes:  # a ZMQ REQ peer: vLLM's EPD control requests
+                self._send([frames[0].bytes, b"", epd_control.answer(frames[2].bytes, self.port)])
+                continue
             identity, data = frames[0].bytes, frames[1].bytes
             self._seen_on(identity, frames[1])
             try:
