@@ -196,13 +196,16 @@ def plan(cfg: LaunchConfig) -> list[Instance]:
 def proxy_flow(cfg: LaunchConfig, backends: list[Instance]) -> list[str]:
     """The proxy's request flow for this connector (``proxy_args`` may still override it, e.g.
     ``--flow overlap`` for NixlECConnector): ECMooncakeConnector's encoder must be told which
-    consumer to push to (each PD's ``tcp://ec_ip:ec_port``); others go E then PD. The overlapped
-    flow is opt-in: its cancel-and-resend after an encoder failure can meet vLLM 0.32's
-    multimodal processor-cache drift (docs/RELIABILITY.md, known gaps)."""
-    if cfg.connector == "ECMooncakeConnector":
+    consumer to push to (each PD's ``tcp://ec_ip:ec_port``), so it gets the push flow; others go
+    E then PD, unless ``proxy_args`` ask for the push flow (then they get the addresses too). The
+    overlapped flow is opt-in: its cancel-and-resend after an encoder failure can meet vLLM
+    0.32's multimodal processor-cache drift (docs/RELIABILITY.md, known gaps)."""
+    args = list(cfg.proxy_args)
+    asked = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--flow"), None)
+    if cfg.connector == "ECMooncakeConnector" or asked in ("push", "mooncake"):
         addrs = [f"tcp://{b.ec_transfer_config['ec_ip']}:{b.ec_transfer_config['ec_port']}"
                  for b in backends if b.role == "pd" and b.ec_transfer_config]
-        return ["--flow", "mooncake", "--pd-ec-addresses", ",".join(addrs)]
+        return ["--flow", "push", "--pd-ec-addresses", ",".join(addrs)]
     return []
 
 

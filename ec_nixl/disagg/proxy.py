@@ -38,26 +38,32 @@ encoder that fails before the PD has answered anything makes the proxy cancel th
 and resend it without ``ec_transfer_params`` (the PD encodes the media itself, as above; a 4xx is
 answered as is); one that fails later costs at most ``expect_wait_s`` before the PD encodes.
 
-``--flow mooncake`` serves vLLM's in-tree ``ECMooncakeConnector`` instead, whose encoder *pushes*
-into a consumer it must be told about up front, so the flow above (E answers first, then its answer
-tells the PD where to pull from) cannot work for it: the encoder would never push and every PD
-request would wait out the consumer's ``push_wait_timeout_s``. For each request with media the proxy
+``--flow push`` (first named ``mooncake``) is vLLM's EPD protocol as vllm-router speaks it: the
+encoder is told, in its own request, which consumer the items are for. vLLM's in-tree
+``ECMooncakeConnector`` needs it (its encoder *pushes* into that consumer, so with the pull flow it
+would never push and every PD request would wait out the consumer's ``push_wait_timeout_s``);
+NixlECConnector serves it too (its PD pulls with the coordinates in the encoder's entries). For
+each request with media the proxy
 
 1. picks the PD first (round-robin), and one fresh ``transfer_id`` per media part of the body;
 2. sends the encoder the 1-token copy with ``ec_transfer_params = {"consumer_zmq": <that PD's
    consumer control address>, "ec_items": [{"transfer_id": t}, ...]}`` (one entry per media item,
-   in prompt order): the encoder reserves room on that PD and writes its outputs there;
-3. once the encoder answered, sends the PD the original body with ``ec_transfer_params =
-   {"ec_items": [{"transfer_id": t, "mm_hash": h}, ...]}``, the same ids in the same order, with
-   ``mm_hash`` taken from the encoder's answer (its ``item_indices`` say which position each hash
-   is) so the PD matches items by the engine's own hash, not only by position.
+   in prompt order);
+3. once the encoder answered, sends the PD the body with ``ec_transfer_params`` = the encoder's
+   entries plus ``"ec_items": [{"transfer_id": t, "mm_hash": h}, ...]``, the same ids in the same
+   order, with ``mm_hash`` taken from the encoder's answer (its ``item_indices`` say which
+   position each hash is) so the PD matches items by the engine's own hash, not only by position.
 
-The PD may get its request before or after the push lands (it waits, or finds the item ready), so
-the encoder's answer is awaited only to fail fast. There is no encoder fallback in this flow: a
-Mooncake consumer never encodes by itself, it would only wait for a push that is not coming.
+There is no encoder fallback in this flow: a Mooncake consumer never encodes by itself, it would
+only wait for a push that is not coming.
 
-    python -m ec_nixl.disagg.proxy --flow mooncake --encoders http://127.0.0.1:8100 \
+    python -m ec_nixl.disagg.proxy --flow push --encoders http://127.0.0.1:8100 \
         --pd http://127.0.0.1:8200 --pd-ec-addresses tcp://127.0.0.1:15608 --port 8000
+
+``--pd-media placeholders`` (flows pull and push) sends the PD, instead of the media the encoder
+reported, ``<modality>_embeds`` placeholders carrying the encoder's metadata and mm_hash, as
+vllm-router does (``placeholders.py``): the PD skips fetching, decoding and preprocessing, and has
+nothing to encode itself if a load fails (that request fails with the reason).
 """
 
 from __future__ import annotations
@@ -76,14 +82,16 @@ from typing import Any, Optional
 import aiohttp
 from aiohttp import web
 
+from ec_nixl.disagg.placeholders import TEXT_PART_TYPES, hashes_by_position, placeholder_body
 from ec_nixl.params import announced_producer, build_expect
 
 log = logging.getLogger("ec_nixl.proxy")
 
 # Headers worth passing to the backends (auth, tracing); hop-by-hop ones must not be.
 FORWARD_HEADERS = ("Authorization", "X-Request-Id")
-TEXT_PART_TYPES = ("text", "input_text")
-FLOWS = ("pull", "overlap", "mooncake")
+FLOWS = ("pull", "overlap", "push", "mooncake")
+FLOW_ALIASES = {"mooncake": "push"}  # the push flow's first name (ECMooncake was its only user)
+PD_MEDIA = ("media", "placeholders")
 
 
 @dataclass
@@ -112,10 +120,17 @@ class ProxyConfig:
     flow: str = "pull"
     """"pull": the encoder answers first and its ``ec_transfer_params`` go to the PD as is (the PD
     pulls). "overlap" (NixlECConnector): the PD gets the request at the same time as the encoder
-    (see the module docstring). "mooncake": vLLM's ECMooncakeConnector, whose encoder pushes to
-    the PD named in its own request (see the module docstring)."""
+    (see the module docstring). "push" (alias "mooncake"): vLLM's EPD protocol as vllm-router
+    speaks it; the encoder is told the PD's consumer address up front (ECMooncakeConnector pushes
+    there; see the module docstring)."""
+    pd_media: str = "media"
+    """Flows "pull" and "push": what the PD gets for the media the encoder reported. "media": the
+    original parts (the PD preprocesses them, and can encode them itself if a load fails).
+    "placeholders": ``<modality>_embeds`` parts with the encoder's metadata and mm_hash, as
+    vllm-router sends (``disagg/placeholders.py``): no fetching, decoding or preprocessing on the
+    PD, and no local encode to fall back on. Each answer says which in ``X-EC-PD-Media``."""
     pd_ec_addresses: list[str] = field(default_factory=list)
-    """Flow "mooncake" only: each PD's consumer control address, in the order of ``pd``: its
+    """Flow "push" only: each PD's consumer control address, in the order of ``pd``: its
     ``tcp://ec_ip:ec_port`` (the first TP rank's port; one DP replica per PD URL). ``host:port``
     is taken as ``tcp://host:port``."""
 
@@ -128,14 +143,20 @@ class ProxyConfig:
             raise ValueError("encoder_watch_s must be >= 0 and encoder_watch_timeout_s > 0")
         if self.flow not in FLOWS:
             raise ValueError(f"unknown flow {self.flow!r}; choose one of {', '.join(FLOWS)}")
-        if self.flow != "mooncake":
+        self.flow = FLOW_ALIASES.get(self.flow, self.flow)
+        if self.pd_media not in PD_MEDIA:
+            raise ValueError(f"unknown pd_media {self.pd_media!r}; choose one of {', '.join(PD_MEDIA)}")
+        if self.flow == "overlap" and self.pd_media != "media":
+            raise ValueError("flow 'overlap' sends the PD its request before the encoder has described "
+                             "the media: pd_media must be 'media'")
+        if self.flow != "push":
             if self.pd_ec_addresses:
-                raise ValueError("pd_ec_addresses is only used by flow 'mooncake'")
+                raise ValueError("pd_ec_addresses is only used by flow 'push'")
             return
         # The encoder is told where to push before anything else happens; a PD without an
         # address could only be sent requests that wait out their push timeout.
         if len(self.pd_ec_addresses) != len(self.pd):
-            raise ValueError(f"flow 'mooncake' needs one consumer address per PD: got "
+            raise ValueError(f"flow 'push' needs one consumer address per PD: got "
                              f"{len(self.pd_ec_addresses)} for {len(self.pd)} PD URLs {self.pd}")
         self.pd_ec_addresses = [_zmq_address(a) for a in self.pd_ec_addresses]
         seen: dict[str, str] = {}
@@ -202,8 +223,8 @@ def media_items(body: dict[str, Any]) -> int:
     return n
 
 
-def mooncake_encoder_body(body: dict[str, Any], consumer_zmq: str, transfer_ids: list[str]) -> dict[str, Any]:
-    """The encoder's copy for flow "mooncake": the 1-token copy, plus where to push (the chosen PD's
+def push_encoder_body(body: dict[str, Any], consumer_zmq: str, transfer_ids: list[str]) -> dict[str, Any]:
+    """The encoder's copy for flow "push": the 1-token copy, plus where to push (the chosen PD's
     consumer control address) and under which id each item goes (position i <-> ``mm_features[i]``
     on the encoder, which reads ``ec_items`` by position when they carry no ``mm_hash``)."""
     e = encoder_body(body)
@@ -212,24 +233,32 @@ def mooncake_encoder_body(body: dict[str, Any], consumer_zmq: str, transfer_ids:
     return e
 
 
-def mooncake_pd_body(body: dict[str, Any], transfer_ids: list[str], encoder_params: Any) -> dict[str, Any]:
-    """The PD's body for flow "mooncake": the original body plus the ids the encoder pushed under.
+def push_pd_params(transfer_ids: list[str], encoder_params: Any) -> dict[str, Any]:
+    """The PD's ``ec_transfer_params`` for flow "push", as vllm-router builds them: the encoder's
+    entries (keyed by mm_hash; a pulling connector such as NixlEC reads its coordinates there)
+    plus ``ec_items``, the ids the encoder pushed under, in the order it was given them.
 
-    ``encoder_params`` is the encoder's answer's ``ec_transfer_params``: ``{mm_hash: {"item_indices":
-    [...], "transfer_id": ..., ...}}``. Each position it names gets that ``mm_hash``, so the PD
-    matches the item by the engine-reported hash (a hash the proxy computed itself could differ:
-    the engine folds processor kwargs into it); positions it does not name are matched by position.
-    """
-    hashes: dict[int, str] = {}
-    if isinstance(encoder_params, dict):
-        for mm_hash, entry in encoder_params.items():
-            indices = entry.get("item_indices") if isinstance(entry, dict) else None
-            for i in indices if isinstance(indices, list) else []:
-                if isinstance(i, int) and 0 <= i < len(transfer_ids):
-                    hashes[i] = mm_hash
+    Each position an entry's ``item_indices`` names gets that ``mm_hash``, so the PD matches the
+    item by the engine-reported hash (a hash the proxy computed itself could differ: the engine
+    folds processor kwargs into it); positions no entry names are matched by position. A
+    client's own ``ec_transfer_params`` are replaced, not merged (the router keeps them)."""
+    hashes = hashes_by_position(encoder_params, len(transfer_ids))
     items = [dict(transfer_id=t, **({"mm_hash": hashes[i]} if i in hashes else {}))
              for i, t in enumerate(transfer_ids)]
-    return dict(body, ec_transfer_params={"ec_items": items})
+    entries = {h: e for h, e in encoder_params.items() if isinstance(e, dict)} \
+        if isinstance(encoder_params, dict) else {}
+    return dict(entries, ec_items=items)
+
+
+def pd_body(body: dict[str, Any], params: dict[str, Any], pd_media: str,
+            encoder_params: Any) -> tuple[dict[str, Any], str]:
+    """The PD's body: ``params`` as its ``ec_transfer_params``, and its media as ``pd_media`` asks
+    when the encoder's answer allows (see ``placeholders``). Returns (body, media sent)."""
+    if pd_media == "placeholders":
+        meta_only = placeholder_body(body, encoder_params)
+        if meta_only is not None:
+            return dict(meta_only, ec_transfer_params=params), "placeholders"
+    return dict(body, ec_transfer_params=params), "media"
 
 
 def _error_status(backend_status: int) -> int:
@@ -390,21 +419,21 @@ class Proxy:
             raise BackendError(503, "encoder", url, f"stopped answering /health within {limit:g}s while "
                                f"encoding ({why})")
 
-    async def _encode_mooncake(self, path: str, body: dict[str, Any],
-                               headers: dict[str, str]) -> tuple[str, dict[str, Any]]:
-        """Flow "mooncake": the PD chosen for this request and the body it gets.
+    async def _encode_push(self, path: str, body: dict[str, Any],
+                           headers: dict[str, str]) -> tuple[str, dict[str, Any], str]:
+        """Flow "push": the PD chosen for this request, the body it gets and the media sent.
 
         The PD is chosen first because the encoder must be told where to push. Encoder failures
         are not fallen back from: the PD's connector never encodes by itself.
         """
         pd_url = next(self._rr["pd"])
         if not needs_encoder(body):
-            return pd_url, body
+            return pd_url, body, ""
         transfer_ids = [uuid.uuid4().hex for _ in range(media_items(body))]
         e_url = next(self._rr["encoder"])
-        params = await self._post_encoder(e_url, path, mooncake_encoder_body(body, self._pd_ec[pd_url], transfer_ids),
+        params = await self._post_encoder(e_url, path, push_encoder_body(body, self._pd_ec[pd_url], transfer_ids),
                                           headers)
-        return pd_url, mooncake_pd_body(body, transfer_ids, params)
+        return (pd_url, *pd_body(body, push_pd_params(transfer_ids, params), self.cfg.pd_media, params))
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -416,6 +445,7 @@ class Proxy:
         headers = {h: request.headers[h] for h in FORWARD_HEADERS if h in request.headers}
         t0 = time.perf_counter()
         fallback = ""
+        media = ""  # what the PD got for the reported media: "media" or "placeholders" ("": no encoder)
         first = b""
         pd: Optional[aiohttp.ClientResponse] = None  # opened by the overlapped flow, else below
         e_url = next(self._rr["encoder"]) if self.cfg.flow == "overlap" and needs_encoder(body) else None
@@ -423,8 +453,8 @@ class Proxy:
             if e_url is not None and e_url in self._producers:
                 url, pd, first, fallback = await self._overlapped(request.path, body, headers, e_url,
                                                                   self._producers[e_url])
-            elif self.cfg.flow == "mooncake":
-                url, body = await self._encode_mooncake(request.path, body, headers)
+            elif self.cfg.flow == "push":
+                url, body, media = await self._encode_push(request.path, body, headers)
             else:
                 if needs_encoder(body):
                     try:
@@ -437,7 +467,7 @@ class Proxy:
                         log.warning("%s %s: %s; the PD encodes it instead", request.method, request.path, e)
                         params = None
                     if params is not None:
-                        body = dict(body, ec_transfer_params=params)
+                        body, media = pd_body(body, params, self.cfg.pd_media, params)
                 url = next(self._rr["pd"])
             t_enc = time.perf_counter() - t0
             if pd is None:
@@ -451,6 +481,8 @@ class Proxy:
             out.headers["Content-Type"] = pd.headers.get("Content-Type", "application/json")
             if fallback:
                 out.headers["X-EC-Fallback"] = fallback
+            if media:
+                out.headers["X-EC-PD-Media"] = media
             await out.prepare(request)
             try:
                 if first:
@@ -541,10 +573,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="answer an encoder failure with an error instead of letting the PD encode")
     p.add_argument("--flow", choices=FLOWS, default=ProxyConfig.flow,
                    help="'pull' (default): the PD gets the encoder's answer's ec_transfer_params; 'overlap' "
-                        "(NixlECConnector): the PD gets the request while the encoder runs it; 'mooncake': "
-                        "vLLM's ECMooncakeConnector, the encoder pushes to the PD (needs --pd-ec-addresses)")
+                        "(NixlECConnector): the PD gets the request while the encoder runs it; 'push' (alias "
+                        "'mooncake'): vLLM's EPD protocol as vllm-router speaks it, the encoder is told the "
+                        "PD's consumer address (needs --pd-ec-addresses)")
+    p.add_argument("--pd-media", choices=PD_MEDIA, default=ProxyConfig.pd_media,
+                   help="flows pull and push: 'media' (default): the PD gets the original media parts; "
+                        "'placeholders': <modality>_embeds parts with the encoder's metadata and mm_hash, as "
+                        "vllm-router sends (no preprocessing on the PD, no local encode if a load fails)")
     p.add_argument("--pd-ec-addresses", type=_urls, default=[],
-                   help="flow mooncake: comma-separated consumer control address (tcp://ec_ip:ec_port) of each "
+                   help="flow push: comma-separated consumer control address (tcp://ec_ip:ec_port) of each "
                         "PD, in --pd order")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
@@ -555,7 +592,7 @@ def config_from_args(a: argparse.Namespace) -> ProxyConfig:
                        encode_timeout_s=a.encode_timeout, pd_timeout_s=a.pd_timeout,
                        health_timeout_s=a.health_timeout, encoder_watch_s=a.encoder_watch,
                        encoder_watch_timeout_s=a.encoder_watch_timeout, encoder_fallback=a.encoder_fallback,
-                       flow=a.flow, pd_ec_addresses=a.pd_ec_addresses)
+                       flow=a.flow, pd_media=a.pd_media, pd_ec_addresses=a.pd_ec_addresses)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -563,7 +600,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(a)
     log.info("proxy on http://%s:%d  encoders=%s  pd=%s%s", a.host, a.port, cfg.encoders, cfg.pd,
-             f"  flow={cfg.flow}  pd_ec_addresses={cfg.pd_ec_addresses}" if cfg.flow != "pull" else "")
+             f"  flow={cfg.flow}  pd_media={cfg.pd_media}"
+             + (f"  pd_ec_addresses={cfg.pd_ec_addresses}" if cfg.flow == "push" else ""))
     web.run_app(Proxy(cfg).app(), host=a.host, port=a.port, print=None, access_log=None)
     return 0
 

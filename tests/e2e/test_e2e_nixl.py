@@ -8,14 +8,17 @@ Servers (all started at once, shared by every case of the module; ~1.5 min to co
   ``encoder1`` (ec_producer, each with its own ec_port) and ``pd0`` (ec_consumer, log stats on so
   its Prometheus ``/metrics`` carries the connector's series), with the launcher's proxy in front
   round-robining the two encoders (the 2:1 shape);
-* a second proxy ``encoder0 -> pd0`` (the 1:1 shape);
+* a second proxy ``encoder0 -> pd0`` (the 1:1 shape), and two more that send the PD metadata-only
+  bodies (``--pd-media placeholders``, as vllm-router does), one in the pull flow and one in the
+  push flow (the encoder is told the PD's consumer address; the PD gets ``ec_items``);
 * ``encoder-corrupt``: a third producer started with ``EC_NIXL_FAULT_CORRUPT_PUBLISH=1`` (it
   publishes constant 3.0 instead of its encoder outputs); requests reach it by hand, E then PD.
 
 What each case proves:
 
 * tokens: greedy token ids (temperature 0, ignore_eos, 8 tokens) equal the baseline's, for 1 and
-  3 images through the 1:1 proxy and for 4 requests through the 2:1 round-robin proxy;
+  3 images through the 1:1 proxy, for 4 requests through the 2:1 round-robin proxy, and for
+  metadata-only PD requests (1 and 2 images, the same image twice, two turns) in both flows;
 * no re-encode: the PD's counters ``vllm:nixl_ec_num_loads_landed_total`` grow by the number of
   images and ``vllm:nixl_ec_num_local_fallbacks_total`` by 0; and with the corrupting producer
   the PD's tokens differ from the baseline (it really computes from the transferred bytes);
@@ -40,6 +43,7 @@ The last case kills the PD if the bug it checks for is present, so it stays last
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -100,6 +104,7 @@ class Nixl:
     pd: Instance
     corrupt: Instance  # EC_NIXL_FAULT_CORRUPT_PUBLISH=1
     proxy11: Instance  # encoder0 -> pd0
+    meta_proxies: dict[str, Instance]  # encoder0 -> pd0, metadata-only PD bodies: flow -> proxy
     model: str
     status_ep: Any  # ec_nixl Endpoint (observer) for producers' stats
 
@@ -125,7 +130,7 @@ def nixl(baseline: Baseline, tiny_model: str, tmp_path_factory: pytest.TempPathF
     from ec_nixl.endpoint import Endpoint
 
     workdir = tmp_path_factory.mktemp("nixl")
-    base = free_port_block(6)  # proxy, encoder0, encoder1, pd0, encoder-corrupt, proxy11
+    base = free_port_block(8)  # proxy, encoder0, encoder1, pd0, encoder-corrupt, proxy11, 2 meta proxies
     cfg = LaunchConfig(model=tiny_model, num_encoders=2, num_pd=1, port=base, base_port=base + 1,
                        connector="NixlECConnector", ec_base_port=free_port_block(32), ec_port_stride=8,
                        ec_buffer_size=POOL_BYTES, ec_buffer_device="cpu", vllm_args=VLLM_ARGS,
@@ -158,10 +163,20 @@ def nixl(baseline: Baseline, tiny_model: str, tmp_path_factory: pytest.TempPathF
             name="proxy11", role="proxy", port=base + 5, env=dict(os.environ), log_path=cfg.log_dir / "proxy11.log",
             argv=[sys.executable, "-m", "ec_nixl.disagg.proxy", "--encoders", encoders[0].url, "--pd", pd.url,
                   "--host", "127.0.0.1", "--port", str(base + 5)]))
-        cluster.wait_healthy([proxy11], 60.0)
+        # vllm-router's shape of the E->PD protocol: placeholders instead of media, in the pull
+        # flow and in the push flow (the encoder is named the PD's consumer address up front)
+        meta = {}
+        for k, (flow, extra) in enumerate([("pull", []), ("push", ["--pd-ec-addresses", "tcp://" + Nixl.ec_addr(pd)])]):
+            meta[flow] = cluster.spawn(Instance(
+                name=f"proxy-meta-{flow}", role="proxy", port=base + 6 + k, env=dict(os.environ),
+                log_path=cfg.log_dir / f"proxy-meta-{flow}.log",
+                argv=[sys.executable, "-m", "ec_nixl.disagg.proxy", "--encoders", encoders[0].url, "--pd", pd.url,
+                      "--host", "127.0.0.1", "--port", str(base + 6 + k), "--flow", flow,
+                      "--pd-media", "placeholders", *extra]))
+        cluster.wait_healthy([proxy11, *meta.values()], 60.0)
         ep = Endpoint(EndpointConfig(name=f"e2e-status-{os.getpid()}", pool_bytes=0, threaded=True, observer=True))
         try:
-            yield Nixl(cluster, encoders, pd, corrupt, proxy11, tiny_model, ep)
+            yield Nixl(cluster, encoders, pd, corrupt, proxy11, meta, tiny_model, ep)
         finally:
             ep.close()
 
@@ -371,6 +386,43 @@ def test_chat_sequence_is_admitted_in_the_step_it_arrives(nixl: Nixl, baseline: 
     assert d[LANDED] >= 3 and d[FALLBACKS] == 0 and d[FAILED_LOADS] == 0, f"PD counter deltas {d} {nixl.logs()}"
     assert d[ADMITTED] >= 3 and d[EARLY] == d[ADMITTED] and d[STEPS] == 0, (
         f"a request waited for its Hold: PD counter deltas {d} {nixl.logs()}")
+    assert_producer_drained(nixl, nixl.encoders[0])
+    assert_consumer_drained(nixl)
+
+
+@pytest.mark.parametrize("flow", ["pull", "push"])
+def test_metadata_only_pd_requests_match_colocated(nixl: Nixl, baseline: Baseline, flow: str) -> None:
+    """vllm-router's PD requests: the proxy replaces each image the encoder described by an
+    ``image_embeds`` placeholder (its metadata and mm_hash), so the PD never sees the image, and
+    (flow push) the encoder is told the PD's consumer address and the PD gets ``ec_items`` beside
+    the encoder's entries. One image, two, the same image twice in one request, and a two-turn
+    conversation: every answer equals the colocated server's (which got the images), the PD got
+    placeholders for every request whose images were new to the encoder, nothing was encoded on
+    the PD, and both pools drain."""
+    proxy = nixl.meta_proxies[flow]
+    tag = f"nixl-meta-{flow}"
+    turn1 = chat_body(nixl.model, [(70, 84)], f"{tag}-turn")
+    turn2 = dict(turn1, messages=turn1["messages"] + [{"role": "assistant", "content": "a gradient"},
+                                                        {"role": "user", "content": "which colours?"}])
+    twice = chat_body(nixl.model, [(90, 60)], f"{tag}-twice")
+    parts = twice["messages"][0]["content"]
+    parts.insert(1, copy.deepcopy(parts[0]))
+    seq = [("one", chat_body(nixl.model, [(96, 84)], f"{tag}-one")),
+           ("two", chat_body(nixl.model, [(56, 84), (84, 112)], f"{tag}-two")),
+           ("same image twice", twice), ("turn 1", turn1), ("turn 2", turn2)]
+    before = nixl.metrics()
+    media: dict[str, str] = {}
+    for name, body in seq:
+        r = requests.post(proxy.url + "/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+        assert r.status_code == 200, f"{name}: HTTP {r.status_code}: {r.text[:500]} {nixl.logs()}"
+        media[name] = r.headers.get("X-EC-PD-Media", "")
+        assert r.json()["choices"][0]["token_ids"] == baseline.token_ids(body), (
+            f"{name} ({media[name]}): differs from colocated {nixl.logs()}")
+    print(f"[info] flow {flow}: what the PD got per request: {media}")
+    new = ["one", "two", "same image twice", "turn 1"]
+    assert all(media[n] == "placeholders" for n in new), f"the PD got media, not placeholders: {media}"
+    d = counters_after(nixl, before, 5)
+    assert d[LANDED] >= 5 and d[FALLBACKS] == 0 and d[FAILED_LOADS] == 0, f"PD counter deltas {d} {nixl.logs()}"
     assert_producer_drained(nixl, nixl.encoders[0])
     assert_consumer_drained(nixl)
 
