@@ -137,6 +137,15 @@ def _outcome(adm: Optional[_Admission]) -> Optional[dict]:
                           "local": sorted(h for h, it in items if it.status == "local")}}
 
 
+
+def _runs(scheduler_output) -> bool:
+    """Whether a step schedules tokens. vLLM's V1 model runner returns before the EC connector on
+    a step that schedules none (the step after a request finished is one; Model Runner V2 still
+    runs it): prefetches and releases sent only with it would never reach V1's workers, and a
+    released slot would stay taken. So they are sent with such a step and again with the next
+    step that runs (workers take a repeat as a no-op: releases go before prefetches and loads)."""
+    return int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0
+
 class SchedulerSide:
     def __init__(self, vllm_config, opts: NixlECOptions, place: Placement):
         self.vllm_config = vllm_config
@@ -218,8 +227,7 @@ class SchedulerSide:
                 # instead of letting the engine spin through empty steps, which took a core from
                 # the encoder and the front-ends on a small host (the overlapped flow keeps
                 # requests waiting while their encoder runs).
-                # Any waiting request's answer ends the sleep: this step then admits it (vLLM
-                # goes on to the requests behind this one).
+                # Any waiting request's answer ends the sleep: this step then admits it.
                 holds = [it.hold for a in self._reqs.values() for it in a.items.values()
                          if it.hold is not None and not it.hold.done]
                 if holds and self.endpoint.wait_for(lambda: any(h.done for h in holds), self.opts.admission_wait_s):
@@ -377,8 +385,7 @@ class SchedulerSide:
             if it.status == "holding" and it.hold is None and now >= it.next_try:
                 by_producer.setdefault((it.remote.producer, h in adm.expected), []).append(h)
         for (producer, expected), hashes in by_producer.items():
-            # Expected items: the producer answers when they are published (or at the end of
-            # the wait), so their READ starts the moment the bytes exist, with no polling.
+            # Expected items are answered at their publish (or the wait's end): no polling.
             wait = max(0.0, self.opts.expect_wait_s - (now - adm.t0)) if expected else 0.0
             hr = self.producers.hold(producer, hashes, timeout=max(1.0, self.opts.endpoint.peer_timeout_s),
                                      wait_s=wait)
@@ -489,11 +496,14 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output) -> NixlECMetadata:
         self._place_loads()
+        self._busy = _runs(scheduler_output)
+        self._step += 1
+        if not self._busy and not self._loads:  # kept for the next step that runs (see _runs)
+            return NixlECMetadata(prefetch=self._prefetch[:], release=self._release[:],
+                                  publish=self.announcer.take_publish())
         meta = NixlECMetadata(loads=self._loads, prefetch=self._prefetch, publish=self.announcer.take_publish(),
                               release=self._release)
         self._loads, self._prefetch, self._release = [], [], []
-        self._busy = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0
-        self._step += 1
         if meta.loads:  # workers may add a failed load to this step's encoder inputs (WorkerSide)
             meta.step = scheduler_output
             self._with_step.append(meta)
@@ -554,8 +564,7 @@ class SchedulerSide:
                             self._prefetched.discard(h)
                             self._release.append(h)
                         elif it.early and not it.loaded and h not in self._loaded:
-                            # Held for an early admission, never handed to the workers (vLLM had
-                            # it cached, or the request ended first): the producer may free it now.
+                            # held early, never handed to the workers: the producer may free it now
                             unread.setdefault(it.remote.producer, []).append(h)
             for producer, hashes in unread.items():
                 self.endpoint.release(producer, hashes, self.place.readers)

@@ -18,7 +18,7 @@ What each case proves:
 
 * tokens: greedy token ids (temperature 0, ignore_eos, 8 tokens) equal the baseline's, for 1 and
   3 images through the 1:1 proxy, for 4 requests through the 2:1 round-robin proxy, and for
-  metadata-only PD requests (1 and 2 images, the same image twice, a first turn) in both flows;
+  metadata-only PD requests (1 and 2 images, the same image twice, two turns) in both flows;
 * no re-encode: the PD's counters ``vllm:nixl_ec_num_loads_landed_total`` grow by the number of
   images and ``vllm:nixl_ec_num_local_fallbacks_total`` by 0; and with the corrupting producer
   the PD's tokens differ from the baseline (it really computes from the transferred bytes);
@@ -395,22 +395,22 @@ def test_metadata_only_pd_requests_match_colocated(nixl: Nixl, baseline: Baselin
     """vllm-router's PD requests: the proxy replaces each image the encoder described by an
     ``image_embeds`` placeholder (its metadata and mm_hash), so the PD never sees the image, and
     (flow push) the encoder is told the PD's consumer address and the PD gets ``ec_items`` beside
-    the encoder's entries. One image, two, the same image twice in one request, and the first
-    turn of a conversation: every answer equals the colocated server's (which got the images),
-    the PD got placeholders for each, nothing was encoded on the PD, and both pools drain.
-
-    Not the second turn (the first turn's image again, which the PD's encoder cache still has):
-    its answer is right, but the PD's slot of that item's prefetch is not given back (a known
-    bug, issue 39's note); it would fail every later case's drained-pool check."""
+    the encoder's entries. One image, two, the same image twice in one request, and a two-turn
+    conversation (the second turn's image is the first's, which the PD's encoder cache still has:
+    its prefetched slot must be given back): every answer equals the colocated server's (which
+    got the images), the PD got placeholders for each, nothing was encoded on the PD, and both
+    pools drain."""
     proxy = nixl.meta_proxies[flow]
     tag = f"nixl-meta-{flow}"
     turn1 = chat_body(nixl.model, [(70, 84)], f"{tag}-turn")
+    turn2 = dict(turn1, messages=turn1["messages"] + [{"role": "assistant", "content": "a gradient"},
+                                                        {"role": "user", "content": "which colours?"}])
     twice = chat_body(nixl.model, [(90, 60)], f"{tag}-twice")
     parts = twice["messages"][0]["content"]
     parts.insert(1, copy.deepcopy(parts[0]))
     seq = [("one", chat_body(nixl.model, [(96, 84)], f"{tag}-one")),
            ("two", chat_body(nixl.model, [(56, 84), (84, 112)], f"{tag}-two")),
-           ("same image twice", twice), ("turn 1", turn1)]
+           ("same image twice", twice), ("turn 1", turn1), ("turn 2", turn2)]
     before = nixl.metrics()
     media: dict[str, str] = {}
     for name, body in seq:
