@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 
-from ec_nixl.disagg.launcher import Instance, LaunchConfig, Supervisor, cpu_binds, plan, wedged
+from ec_nixl.disagg.launcher import Instance, LaunchConfig, Supervisor, cpu_binds, plan, proxy_instance, wedged
 from helpers import wait_until
 
 
@@ -48,6 +48,25 @@ def test_plan_uses_the_binds(tmp_path) -> None:
         insts = plan(cfg)
     assert [(i.role, i.env["VLLM_CPU_OMP_THREADS_BIND"]) for i in insts] == [
         ("encoder", "0"), ("encoder", "0"), ("pd", "1")]
+
+
+@pytest.mark.parametrize("connector,proxy_args,push", [
+    ("ECMooncakeConnector", [], True),  # its encoder must be told the consumer
+    ("NixlECConnector", [], False),  # E then PD
+    ("NixlECConnector", ["--flow", "push", "--pd-media", "placeholders"], True),  # asked for
+    ("NixlECConnector", ["--flow", "mooncake"], True),  # the old name
+    ("NixlECConnector", ["--flow", "overlap"], False),
+])
+def test_proxy_gets_the_consumer_addresses_for_the_push_flow(tmp_path, connector, proxy_args, push) -> None:
+    cfg = LaunchConfig(model="m", num_encoders=1, num_pd=2, log_dir=tmp_path, ec_buffer_device="cpu",
+                       connector=connector, proxy_args=proxy_args)
+    insts = plan(cfg)
+    argv = proxy_instance(cfg, insts).argv
+    addrs = ",".join(f"tcp://{i.ec_transfer_config['ec_ip']}:{i.ec_transfer_config['ec_port']}"
+                     for i in insts if i.role == "pd")
+    assert (argv[argv.index("--pd-ec-addresses") + 1] == addrs) if push else "--pd-ec-addresses" not in argv, argv
+    if proxy_args:
+        assert argv[-len(proxy_args):] == proxy_args, argv  # the user's args come last (they win)
 
 
 def _cmdline(pid: int) -> list[str]:
