@@ -14,7 +14,6 @@ vLLM refuses a request that mixes raw media and embeddings of one modality.
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Optional
 
 TEXT_PART_TYPES = ("text", "input_text")
@@ -23,9 +22,11 @@ MEDIA_MODALITY = {"image_url": "image", "video_url": "video", "audio_url": "audi
 
 
 def media_parts(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chat body's non-text content parts in prompt order (vLLM's ``mm_features`` order)."""
-    out = []
-    for m in body.get("messages") or []:
+    """The chat body's non-text content parts in prompt order (vLLM's ``mm_features`` order); none
+    for a body without a ``messages`` list."""
+    messages = body.get("messages")
+    out: list[dict[str, Any]] = []
+    for m in messages if isinstance(messages, list) else []:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
             out.extend(p for p in content if not (isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES))
@@ -46,22 +47,20 @@ def hashes_by_position(encoder_params: Any, n: int) -> dict[int, str]:
 
 def placeholder_body(body: dict[str, Any], encoder_params: Any) -> Optional[dict[str, Any]]:
     """``body`` with every media part replaced by its placeholder (see the module docstring), or
-    None when that cannot be done for every part (the caller then sends the media)."""
-    if not isinstance(body.get("messages"), list) or not isinstance(encoder_params, dict):
-        return None
-    out = copy.deepcopy(body)
-    parts = media_parts(out)
-    if not parts:
+    None when that cannot be done for every part (the caller then sends the media). ``body`` is
+    not changed, nor copied deeper than the lists that change (its media may be megabytes)."""
+    parts = media_parts(body)
+    if not parts or not isinstance(encoder_params, dict):
         return None
     hashes = hashes_by_position(encoder_params, len(parts))
-    new = []
+    new: dict[int, dict[str, Any]] = {}  # id(part) -> its placeholder
     for i, part in enumerate(parts):
         modality = MEDIA_MODALITY.get(part.get("type")) if isinstance(part, dict) else None
         meta = (encoder_params.get(hashes[i]) or {}).get("metadata") if i in hashes else None
         if modality is None or not isinstance(meta, dict) or not meta:
             return None
-        new.append({"type": f"{modality}_embeds", f"{modality}_embeds": meta, "uuid": hashes[i]})
-    for part, placeholder in zip(parts, new):
-        part.clear()
-        part.update(placeholder)
-    return out
+        new[id(part)] = {"type": f"{modality}_embeds", f"{modality}_embeds": meta, "uuid": hashes[i]}
+    messages = [dict(m, content=[new.get(id(p), p) for p in m["content"]])
+                if isinstance(m, dict) and isinstance(m.get("content"), list) else m
+                for m in body["messages"]]
+    return dict(body, messages=messages)

@@ -82,7 +82,7 @@ from typing import Any, Optional
 import aiohttp
 from aiohttp import web
 
-from ec_nixl.disagg.placeholders import TEXT_PART_TYPES, hashes_by_position, placeholder_body
+from ec_nixl.disagg.placeholders import hashes_by_position, media_parts, placeholder_body
 from ec_nixl.params import announced_producer, build_expect
 
 log = logging.getLogger("ec_nixl.proxy")
@@ -187,16 +187,7 @@ class BackendError(Exception):
 
 def needs_encoder(body: dict[str, Any]) -> bool:
     """False only for chat requests whose contents are all text; anything else may carry media."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return True
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and any(
-            not (isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES) for p in content
-        ):
-            return True
-    return False
+    return not isinstance(body.get("messages"), list) or bool(media_parts(body))
 
 
 def encoder_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -212,15 +203,7 @@ def media_items(body: dict[str, Any]) -> int:
     """How many multimodal items the engine will see: the non-text content parts of a chat body, in
     prompt order (each image, video or audio part is one item). 0 for a body without ``messages``,
     whose media (if any) the proxy cannot see; those items are then matched by content hash only."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return 0
-    n = 0
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):
-            n += sum(1 for p in content if not (isinstance(p, dict) and p.get("type") in TEXT_PART_TYPES))
-    return n
+    return len(media_parts(body))
 
 
 def push_encoder_body(body: dict[str, Any], consumer_zmq: str, transfer_ids: list[str]) -> dict[str, Any]:
