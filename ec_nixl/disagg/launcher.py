@@ -200,7 +200,7 @@ def proxy_flow(cfg: LaunchConfig, backends: list[Instance]) -> list[str]:
     E then PD, unless ``proxy_args`` ask for the push flow (then they get the addresses too). The
     overlapped flow is opt-in: its cancel-and-resend after an encoder failure can meet vLLM
     0.32's multimodal processor-cache drift (docs/RELIABILITY.md, known gaps)."""
-    args = list(cfg.proxy_args)
+    args = cfg.proxy_args
     asked = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--flow"), None)
     if cfg.connector == "ECMooncakeConnector" or asked in ("push", "mooncake"):
         addrs = [f"tcp://{b.ec_transfer_config['ec_ip']}:{b.ec_transfer_config['ec_port']}"

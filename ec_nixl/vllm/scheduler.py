@@ -137,7 +137,6 @@ def _outcome(adm: Optional[_Admission]) -> Optional[dict]:
                           "local": sorted(h for h, it in items if it.status == "local")}}
 
 
-
 def _runs(scheduler_output) -> bool:
     """Whether a step schedules tokens. vLLM's V1 model runner returns before the EC connector on
     a step that schedules none (the step after a request finished is one; Model Runner V2 still
@@ -145,6 +144,7 @@ def _runs(scheduler_output) -> bool:
     released slot would stay taken. So they are sent with such a step and again with the next
     step that runs (workers take a repeat as a no-op: releases go before prefetches and loads)."""
     return int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0
+
 
 class SchedulerSide:
     def __init__(self, vllm_config, opts: NixlECOptions, place: Placement):
