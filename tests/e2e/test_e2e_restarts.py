@@ -22,10 +22,10 @@ What the cases prove:
 * consumer killed while the encoder holds items for it: a request of two metadata-only images
   (no pixels: the request is gated), the first of which the encoder has (held at once, its claim
   checked in the encoder's status) and the second it does not (the PD keeps asking,
-  ``missing_grace_s``), keeps the hold in place; the PD's process
-  group is SIGKILLed. The encoder ends the PD's sessions and
-  frees the held item within ``link_timeout_s``; the PD restarted on the same ports serves
-  requests remotely, token-identical, and both pools end empty.
+  ``missing_grace_s``), keeps the hold in place; the PD's process group is SIGKILLed. The
+  encoder ends the PD's sessions and frees the held item within ``link_timeout_s``; the PD
+  restarted on the same ports serves requests remotely, token-identical, and both pools end
+  empty.
 
     pytest -m e2e tests/e2e/test_e2e_restarts.py -v -s
 """
@@ -55,6 +55,7 @@ from conftest import (  # noqa: E402  (tests/e2e/conftest.py)
     wait_until,
 )
 from ec_nixl.disagg.launcher import Cluster, Instance, LaunchConfig, StartupError, group_alive, wedged, where_is  # noqa: E402
+from ec_nixl.disagg.placeholders import placeholder_body  # noqa: E402
 from ec_nixl.disagg.proxy import encoder_body  # noqa: E402
 from ec_nixl.disagg.ttft import chat_body  # noqa: E402
 
@@ -358,16 +359,17 @@ def _held_bodies(model: str, tag: str) -> tuple[dict[str, Any], Callable[[dict[s
     enc["messages"][0]["content"][0]["uuid"] = held
 
     def pd_body(params: dict[str, Any]) -> dict[str, Any]:
+        # the image twice, the second said to be `missing` at the same producer; then what the
+        # proxy's --pd-media placeholders sends (disagg/placeholders.py)
         params = copy.deepcopy(params)
-        params[missing] = copy.deepcopy(params[held])
-        meta = params[held].get("metadata") or {}
-        assert "image_grid_thw" in meta, f"the encoder's params carry no placeholder metadata: {params[held]}"
+        params[held]["item_indices"] = [0]
+        params[missing] = dict(copy.deepcopy(params[held]), item_indices=[1])
         body = copy.deepcopy(enc)
-        text = [p for p in body["messages"][0]["content"] if p.get("type") == "text"]
-        body["messages"][0]["content"] = [
-            {"type": "image_embeds", "image_embeds": {"image_grid_thw": meta["image_grid_thw"]}, "uuid": u}
-            for u in (held, missing)] + text
-        return dict(body, ec_transfer_params=params)
+        parts = body["messages"][0]["content"]
+        parts.insert(1, copy.deepcopy(parts[0]))
+        meta_only = placeholder_body(body, params)
+        assert meta_only is not None, f"the encoder's params carry no placeholder metadata: {params[held]}"
+        return dict(meta_only, ec_transfer_params=params)
 
     return encoder_body(enc), pd_body, held, missing
 
