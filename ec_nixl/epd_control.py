@@ -8,23 +8,27 @@ message reaches our ROUTER socket as ``[identity, b"", payload]``, a shape ec-ni
 never send (``[identity, payload]``), so both protocols share the port and the router's consumer
 address for a NixlEC PD is simply its ``tcp://ec_ip:ec_port``.
 
-What NixlEC answers: ``peers``: this endpoint's own port. ``cancel``: ``{"cancelled": false}``,
-because a NixlEC consumer reserves nothing under a transfer id: its PD pulls once the request
-arrives and gives a finished request's items back to their producer, and an item no PD ever
-claims is freed by its producer (lease end, or eviction when the pool needs room). Anything else
-gets ``ok: false`` and an error naming the problem; nothing here raises.
+What NixlEC answers: ``peers``: this endpoint's own port. ``cancel``: whether a request of this
+PD has that transfer (``{"cancelled": bool, "detail": ...}``, from the PD's scheduler,
+``vllm.transfers``): such a request stops waiting for the item. A NixlEC consumer reserves no
+pool slot under a transfer id (its workers allocate one when they load the item, and a request
+that ends gives it back behind the barrier's fence), and an item no PD ever claims is freed by
+its producer (lease end, or eviction when the pool needs room), so an unknown id costs nothing.
+A producer's port answers ``cancelled: false`` (it has no requests of a PD). Anything else gets
+``ok: false`` and an error naming the problem; nothing here raises.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable, Optional
 
 MAX_ID_CHARS = 256
 
 
-def answer(payload: bytes, port: int) -> bytes:
-    """The JSON reply to one control request ``payload``."""
+def answer(payload: bytes, port: int, cancel: Optional[Callable[[str], tuple[bool, str]]] = None) -> bytes:
+    """The JSON reply to one control request ``payload``; ``cancel(transfer_id)`` -> (whether it was
+    ours, detail) is the consumer's (None: a producer's port)."""
     try:
         req = json.loads(payload)
     except (ValueError, UnicodeDecodeError) as e:
@@ -38,8 +42,13 @@ def answer(payload: bytes, port: int) -> bytes:
         tid = req.get("transfer_id")
         if not isinstance(tid, str) or not tid or len(tid) > MAX_ID_CHARS:
             return _reply(False, f"cancel needs a transfer_id (a string of 1-{MAX_ID_CHARS} characters)")
-        return _reply(True, {"cancelled": False,
-                             "detail": "NixlEC reserves nothing under a transfer id: the PD pulls at admission"})
+        if cancel is None:
+            return _reply(True, {"cancelled": False, "detail": "a producer's port: cancels go to the consumer"})
+        try:
+            done, detail = cancel(tid)
+        except Exception as e:  # a bug there must not take the control port down
+            return _reply(False, f"cancel failed: {e!r}")
+        return _reply(True, {"cancelled": done, "detail": detail})
     return _reply(False, f"unknown control op: {str(op)[:64]!r} (NixlEC answers 'peers' and 'cancel')")
 
 

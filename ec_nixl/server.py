@@ -103,6 +103,8 @@ class Server:
             raise ConfigError(f"cannot listen on {cfg.listen}: {e}") from None
         self.address = cfg.advertise or f"{host}:{port}"
         self.port = port
+        self.on_cancel: Optional[Callable[[str], tuple[bool, str]]] = None
+        """A consumer's answer to vLLM EPD's ``cancel`` (transfer id -> whether it was ours, detail)."""
         self.pusher = Pusher(published, transport, metrics, loop, self._sessions.get, self.reply) \
             if published is not None and transport is not None else None
         loop.add_socket(self._sock, self._serve_some)
@@ -145,7 +147,7 @@ class Server:
             if len(frames) < 2:
                 continue  # a frame count we never send: ignore
             if len(frames) == 3 and not frames[1].bytes:  # a ZMQ REQ peer: vLLM's EPD control requests
-                self._send([frames[0].bytes, b"", epd_control.answer(frames[2].bytes, self.port)])
+                self._send([frames[0].bytes, b"", epd_control.answer(frames[2].bytes, self.port, self.on_cancel)])
                 continue
             identity, data = frames[0].bytes, frames[1].bytes
             self._seen_on(identity, frames[1])
@@ -224,6 +226,9 @@ class Server:
             logger.warning("ec-nixl: refused %s (%s): %s", msg.name, reason.value, detail)
             self._refuse(identity, reason, detail)
 
+        if self.published is None:
+            return refuse(P.Nack.BAD_REQUEST, "this is a consumer's control port: it answers vLLM EPD control "
+                                              "requests (peers, cancel) and serves no items")
         if not handshake.signed(self.me, msg):
             return refuse(P.Nack.UNAUTHORIZED, "handshake not signed with the shared token")
         # A signed Hello proves the token only once: the same nonce from another connection is a

@@ -72,6 +72,10 @@ class NixlECOptions:
     which costs that step less than a step costs the request. 0: always a step later."""
     fallback: str = "auto"
     """'auto': re-encode locally when the request carries its media, else fail it; 'fail'."""
+    control_port: bool = True
+    """A consumer-only engine listens on its ``ec_port`` (TP rank 0's, as a producer would) for vLLM
+    EPD routers' control requests (``peers``, ``cancel``; ``epd_control``), as ECMooncake's
+    consumers do. False: it listens on nothing (E and PD on one host sharing an ``ec_port``)."""
     advertise_host: Optional[str] = None
     """Host put in ec_transfer_params (default ec_ip; set it when ec_ip is 0.0.0.0)."""
     compat_model_id: Optional[str] = None
@@ -210,14 +214,17 @@ def compat_fields(vllm_config, opts: NixlECOptions) -> dict:
 
 
 def endpoint_config(p: Placement, opts: NixlECOptions, compat: dict, *, control_only: bool) -> EndpointConfig:
-    """The core endpoint of one process: a worker rank (pool + NIXL) or a scheduler (control only)."""
+    """The core endpoint of one process: a worker rank (pool + NIXL) or a scheduler (control only).
+    A consumer-only engine's scheduler listens on the port its producer rank would have: vLLM EPD
+    routers send their control requests there (``epd_control``)."""
     serve = p.serving_rank and not control_only
+    control_port = control_only and opts.control_port and p.is_consumer and not p.is_producer and p.tp_rank == 0
     return dataclasses.replace(
         opts.endpoint,
         name=p.agent_name + ("-sched" if control_only else ""),
         device=p.device,
         pool_bytes=0 if control_only else p.pool_bytes,
-        listen=f"{p.ip}:{p.port}" if serve else None,
+        listen=f"{p.ip}:{p.port}" if serve or control_port else None,
         advertise=f"{opts.advertise_host}:{p.port}" if serve and opts.advertise_host else None,
         compat=compat,
         group=p.group,

@@ -41,6 +41,7 @@ consumer's scheduler knows of each producer (Holds in flight, failures, link pro
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from typing import Optional
 
 from ec_nixl import protocol as P
 from ec_nixl.endpoint import Endpoint
+from ec_nixl.errors import ConfigError
 from ec_nixl.queries import HoldRequest
 from ec_nixl.metrics import Metrics
 from ec_nixl.params import parse_expect
@@ -56,7 +58,9 @@ from ec_nixl.vllm.features import FeatureFacts
 from ec_nixl.vllm.metadata import LoadSpec, NixlECMetadata, NixlECWorkerMeta, RemoteItem, parse_params
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
 from ec_nixl.vllm.producers import ProducerView
+from ec_nixl.vllm.worker_report import apply as apply_worker_report
 from ec_nixl.vllm.stats import NixlECConnectorStats, merge_data
+from ec_nixl.vllm.transfers import TransferIds
 
 logger = logging.getLogger("ec_nixl.vllm")
 
@@ -146,6 +150,20 @@ def _runs(scheduler_output) -> bool:
     return int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0
 
 
+def _control_endpoint(cfg) -> Endpoint:
+    """The scheduler's control-only endpoint. A consumer's listens for vLLM EPD routers' control
+    requests; a port already taken (two PDs on one host with the same ``ec_port``, which served
+    before routers needed it) is logged, and the PD runs without it: only those requests fail."""
+    try:
+        return Endpoint(cfg)
+    except ConfigError as e:
+        if cfg.listen is None:
+            raise
+        logger.warning("ec-nixl: %s: vLLM EPD routers' control requests (peers, cancel) to this PD will fail; "
+                       "give each PD its own ec_port to have them", e)
+        return Endpoint(dataclasses.replace(cfg, listen=None))
+
+
 class SchedulerSide:
     def __init__(self, vllm_config, opts: NixlECOptions, place: Placement):
         self.vllm_config = vllm_config
@@ -156,10 +174,14 @@ class SchedulerSide:
         self.metrics = Metrics()
         self.announcer = Announcer(self.facts, opts, place)  # producer: what a finished request announces
         self.endpoint: Optional[Endpoint] = None
+        self.transfers = TransferIds()  # push flow: the transfer ids of our requests' items
         self.producers: Optional[ProducerView] = None
         if place.is_consumer:
-            self.endpoint = Endpoint(endpoint_config(place, opts, compat_fields(vllm_config, opts), control_only=True))
+            self.endpoint = _control_endpoint(endpoint_config(place, opts, compat_fields(vllm_config, opts),
+                                                              control_only=True))
             self.producers = ProducerView(self.endpoint, place.readers, opts.prefetch_defer_s)
+            if self.endpoint.server is not None:  # the PD's control port: vLLM EPD routers' cancels
+                self.endpoint.server.on_cancel = self.transfers.cancel
         self._reqs: dict[str, _Admission] = {}
         self._ready: dict[str, LoadSpec] = {}  # mm_hash -> where to load it from (held)
         self._users: dict[str, set[str]] = {}  # mm_hash -> request ids that need it
@@ -337,6 +359,7 @@ class SchedulerSide:
         if params:
             expected = {f.identifier: f.mm_position.get_num_embeds() for f in request.mm_features}
             adm.remote, adm.errors = parse_params(params, expected, self.dtype)
+            self.transfers.seen(rid, params, set(expected))
             _expect(adm, request, params, num_computed_tokens, self.facts)
             if adm.expected:
                 self.metrics.count("expected_items", len(adm.expected))
@@ -463,8 +486,8 @@ class SchedulerSide:
             self.metrics.count("local_fallbacks")
         else:
             logger.error("%s; failing the request (it carries no media to encode locally)", msg)
-            it.status = "failed"
-            adm.failed = msg
+            it.status, adm.failed = "failed", msg
+            self._unavailable.add(adm.req_id)
         self.metrics.fail(why.split(":")[0])
 
     def has_cache_item(self, identifier: str) -> bool:
@@ -495,6 +518,7 @@ class SchedulerSide:
             self._release.append(h)
 
     def build_connector_meta(self, scheduler_output) -> NixlECMetadata:
+        self._cancel_waiting()
         self._place_loads()
         self._busy = _runs(scheduler_output)
         self._step += 1
@@ -511,32 +535,20 @@ class SchedulerSide:
                 self._with_step.popleft().step = None
         return meta
 
+    def _cancel_waiting(self) -> None:
+        """The router abandoned these transfers: requests still waiting for them stop waiting (a
+        load already handed to the workers ends with its request, behind the barrier's fence)."""
+        for rid, hashes in self.transfers.take_cancelled().items():
+            adm = self._reqs.get(rid)
+            for h, it in (adm.items.items() if adm is not None and not adm.admitted else ()):
+                if (h in hashes or None in hashes) and it.status == "holding":
+                    self._give_up(adm, h, it, "CANCELLED: the router abandoned its transfer")
+
     def update_connector_output(self, output) -> None:
         m = getattr(output, "ec_connector_worker_meta", None)
         if not isinstance(m, NixlECWorkerMeta):
             return
-        for _, req_id, h, _ in m.failed + m.rerouted:
-            adm = self._reqs.get(req_id)
-            it = adm.items.get(h) if adm is not None else None
-            if it is not None:  # its producer gets no early admissions for a while
-                self.producers.distrust(it.remote.producer)
-        for rank, req_id, h, why in m.failed:
-            logger.error("request %s failed: encoder output %s did not land on rank %d: %s", req_id, h, rank, why)
-            self._unavailable.add(req_id)
-            adm = self._reqs.get(req_id)
-            if adm is not None and not adm.failed:
-                # vLLM takes the unavailable requests before it reads this output, so the request
-                # is failed one step later; until then ensure_cache_available keeps it from being
-                # scheduled again (no further tokens computed from the placeholder).
-                adm.failed = f"encoder output {h} did not land on rank {rank}: {why}"
-        for (req_id, h), why in {(r, h): why for _, r, h, why in m.rerouted}.items():  # once, whatever the ranks
-            logger.warning("request %s: encoder output %s did not land (%s); encoded locally in the same step",
-                           req_id, h, why)
-            adm = self._reqs.get(req_id)
-            if adm is not None and h in adm.items:
-                adm.items[h].status = "local"
-            self.metrics.count("local_fallbacks")
-            self.metrics.count("late_fallbacks")
+        self._unavailable |= apply_worker_report(m, self._reqs, self.producers, self.metrics)
         if m.stats:
             self.producers.learn(m.stats)
             self._worker_stats = merge_data(self._worker_stats, m.stats)
@@ -549,6 +561,7 @@ class SchedulerSide:
 
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
         adm = self._reqs.pop(request.request_id, None)
+        self.transfers.forget(request.request_id)
         loaded_here: set[str] = set()  # ec_both: items that came from another producer
         if adm is not None:
             loaded_here = {h for h, it in adm.items.items() if it.status == "ready"}

@@ -399,9 +399,19 @@ def test_metadata_only_pd_requests_match_colocated(nixl: Nixl, baseline: Baselin
     conversation (the second turn's image is the first's, which the PD's encoder cache still has:
     its prefetched slot must be given back): every answer equals the colocated server's (which
     got the images), the PD got placeholders for each, nothing was encoded on the PD, and both
-    pools drain."""
+    pools drain. In the push flow the PD's control port is first asked what vllm-router asks (its
+    peers, a cancel for a transfer it never had, garbage) over a real ZMQ REQ socket; the
+    requests after it are the proof that it kept serving."""
     proxy = nixl.meta_proxies[flow]
     tag = f"nixl-meta-{flow}"
+    if flow == "push":
+        pd_ec = nixl.ec_addr(nixl.pd)
+        port = int(pd_ec.rsplit(":", 1)[1])
+        assert router_asks(pd_ec, {"op": "peers"}) == {"ok": True, "result": {"ports": [port]}}, nixl.logs()
+        got = router_asks(pd_ec, {"op": "cancel", "transfer_id": "never-sent", "abandon": True})
+        assert got["ok"] is True and got["result"]["cancelled"] is False, got
+        got = router_asks(pd_ec, b"\x00 not json")
+        assert got["ok"] is False and "not JSON" in got["error"], got
     turn1 = chat_body(nixl.model, [(70, 84)], f"{tag}-turn")
     turn2 = dict(turn1, messages=turn1["messages"] + [{"role": "assistant", "content": "a gradient"},
                                                         {"role": "user", "content": "which colours?"}])
@@ -425,6 +435,21 @@ def test_metadata_only_pd_requests_match_colocated(nixl: Nixl, baseline: Baselin
     assert d[LANDED] >= 5 and d[FALLBACKS] == 0 and d[FAILED_LOADS] == 0, f"PD counter deltas {d} {nixl.logs()}"
     assert_producer_drained(nixl, nixl.encoders[0])
     assert_consumer_drained(nixl)
+
+
+def router_asks(address: str, req: Any) -> dict:
+    """One control request over ZMQ REQ/REP, as vllm-router sends it to a consumer."""
+    import zmq
+
+    s = zmq.Context.instance().socket(zmq.REQ)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 5000)
+    s.connect(f"tcp://{address}")
+    try:
+        s.send(req if isinstance(req, bytes) else json.dumps(req).encode())
+        return json.loads(s.recv())
+    finally:
+        s.close()
 
 
 def _post_async(url: str, body: dict[str, Any]) -> Callable[[], requests.Response]:
