@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from ec_nixl.bench.serve import main, split_variant, summarize, table
+from ec_nixl.bench.serve import main, pd_media, split_variant, summarize, table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,17 +76,29 @@ def test_a_deployment_variant_carries_its_settings():
     assert split_variant("nixl@gil_switch_interval_s=null@mode=read") == \
         ("nixl", {"gil_switch_interval_s": None, "mode": "read"})
     assert split_variant("nixl-seq@load_timeout_s=2.5") == ("nixl-seq", {"load_timeout_s": 2.5})
-    for bad, why in (("nixl@mode", "is not key=value"), ("example@x=1", "for nixl and nixl-seq")):
+    assert split_variant("nixl-push+placeholders@mode=read") == ("nixl-push+placeholders", {"mode": "read"})
+    for bad, why in (("nixl@mode", "is not key=value"), ("example@x=1", "for the nixl deployments")):
         with pytest.raises(ValueError, match=why):
             split_variant(bad)
     assert main(["--deployments", "nixl,example@x=1", "--rounds", "1"]) == 2
+
+
+def test_placeholders_make_the_proxy_send_the_pd_no_media():
+    """``+placeholders``: the same deployment behind a proxy that sends the PD vllm-router's
+    ``image_embeds`` placeholders; colocated (no proxy) and unknown bases are refused up front."""
+    assert pd_media("nixl-push+placeholders") == ("nixl-push", ["--pd-media", "placeholders"])
+    assert pd_media("example") == ("example", [])
+    with pytest.raises(ValueError, match="colocated has no proxy"):
+        pd_media("colocated+placeholders")
+    assert main(["--deployments", "example,colocated+placeholders", "--rounds", "1"]) == 2
+    assert main(["--deployments", "example,nixl-pull+placeholders", "--rounds", "1"]) == 2
 
 
 @pytest.mark.timeout(1500)
 def test_bench_serve_runs_every_deployment(tmp_path):
     pytest.importorskip("vllm")
     out = tmp_path / "serve"
-    deps = ["nixl", "example", "mooncake"]
+    deps = ["nixl", "example", "mooncake", "nixl-push+placeholders"]
     r = subprocess.run(
         [sys.executable, "-m", "ec_nixl.cli", "bench", "serve", "--out", str(out), "--deployments", ",".join(deps),
          "--rounds", "1", "--concurrency", "2", "--images", "1", "--prompts", "6", "--port", "19000",

@@ -12,6 +12,11 @@ phases from the instances' Prometheus ``/metrics`` and stops it. The deployments
 * ``nixl``: 1 E + 1 PD with NixlECConnector behind ``ec-nixl serve-disagg``'s proxy in its
   overlapped flow (the PD gets the request while E encodes; ``proxy --flow overlap``);
 * ``nixl-seq``: the same with the plain E-then-PD flow;
+* ``nixl-push``: the same under vLLM's EPD push flow (``proxy --flow push``: the E request names
+  the PD's control address and a ``transfer_id`` per item, as vllm-router and ``mooncake`` do);
+* any of them with ``+placeholders`` (``nixl-push+placeholders``, ``example+placeholders``): the
+  PD gets ``image_embeds`` placeholders built from E's answer instead of the images, as
+  vllm-router sends them (``proxy --pd-media placeholders``); it never fetches or preprocesses them;
 * ``example``: 1 E + 1 PD with vLLM's ECExampleConnector (disk), E then PD;
 * ``nixl@key=value[@key=value...]`` (or ``nixl-seq@...``): ``nixl`` with those
   ``ec_connector_extra_config`` settings on every instance (values parsed as JSON, else strings),
@@ -50,10 +55,12 @@ from typing import Any, Iterator, Optional
 
 from ec_nixl.bench import request_trace
 
-DEPLOYMENTS = ("colocated", "nixl", "nixl-seq", "example", "mooncake")
+DEPLOYMENTS = ("colocated", "nixl", "nixl-seq", "nixl-push", "example", "mooncake")
 DEFAULT_DEPLOYMENTS = "colocated,nixl,example,mooncake"
-CONNECTOR = {"nixl": "NixlECConnector", "nixl-seq": "NixlECConnector", "example": "ECExampleConnector",
-             "mooncake": "ECMooncakeConnector"}
+CONNECTOR = {"nixl": "NixlECConnector", "nixl-seq": "NixlECConnector", "nixl-push": "NixlECConnector",
+             "example": "ECExampleConnector", "mooncake": "ECMooncakeConnector"}
+FLOW = {"nixl": "overlap", "nixl-push": "push"}  # the proxy's --flow where the launcher's choice is not it
+PLACEHOLDERS = "+placeholders"
 CPU_VLLM_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "8", "--enforce-eager", "--dtype", "bfloat16",
                  "--limit-mm-per-prompt", '{"image":4,"video":0}']
 COUNTERS = ("admitted", "admission_steps", "early_admissions", "unplaced_loads", "prefetch_defers", "local_fallbacks",
@@ -91,10 +98,11 @@ for pt in points:
 
 def split_variant(name: str) -> tuple[str, dict[str, Any]]:
     """``'nixl@k=v@k2=v2'`` -> ``('nixl', {k: v, k2: v2})``: a NixlEC deployment with extra-config
-    settings (values as JSON where they parse, else strings). ValueError names a malformed one."""
+    settings (values as JSON where they parse, else strings). ValueError names a malformed one.
+    A ``+placeholders`` suffix of the base (see ``pd_media``) stays on it."""
     base, *pairs = name.split("@")
-    if pairs and base not in ("nixl", "nixl-seq"):
-        raise ValueError(f"settings (@key=value) are for nixl and nixl-seq deployments, not {base!r}")
+    if pairs and base.removesuffix(PLACEHOLDERS) not in ("nixl", "nixl-seq", "nixl-push"):
+        raise ValueError(f"settings (@key=value) are for the nixl deployments, not {base!r}")
     extra: dict[str, Any] = {}
     for pair in pairs:
         key, eq, value = pair.partition("=")
@@ -105,6 +113,17 @@ def split_variant(name: str) -> tuple[str, dict[str, Any]]:
         except ValueError:
             extra[key] = value
     return base, extra
+
+
+def pd_media(base: str) -> tuple[str, list[str]]:
+    """``'nixl-push+placeholders'`` -> ``('nixl-push', [proxy args])``: with ``+placeholders`` the
+    proxy sends the PD ``image_embeds`` placeholders instead of the images (``--pd-media
+    placeholders``, as vllm-router does), so the PD skips fetching and preprocessing them."""
+    if base.endswith(PLACEHOLDERS):
+        if base == "colocated" + PLACEHOLDERS:
+            raise ValueError("colocated has no proxy to send placeholders: +placeholders is for E + PD deployments")
+        return base.removesuffix(PLACEHOLDERS), ["--pd-media", "placeholders"]
+    return base, []
 
 
 def parser() -> argparse.ArgumentParser:
@@ -163,7 +182,8 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
     # The launcher picks each connector's proxy flow (ECMooncake: push to the PD named in the E
     # request; others E then PD); nixl asks for the overlapped flow.
     name, extra = split_variant(name)
-    proxy_args = ["--flow", "overlap"] if name == "nixl" else []
+    name, proxy_args = pd_media(name)
+    proxy_args += ["--flow", FLOW[name]] if name in FLOW else []
     cuda = _cuda()
     if name == "mooncake":
         extra = {"mooncake_protocol": "rdma" if cuda else "tcp"}
@@ -510,7 +530,7 @@ def main(argv: Optional[list] = None) -> int:
     args = parser().parse_args(argv)
     deps = [d.strip() for d in args.deployments.split(",") if d.strip()]
     try:
-        bad = [d for d in deps if split_variant(d)[0] not in DEPLOYMENTS]
+        bad = [d for d in deps if pd_media(split_variant(d)[0])[0] not in DEPLOYMENTS]
     except ValueError as e:
         print(f"ec-nixl bench serve: {e}", file=sys.stderr)
         return 2
