@@ -119,6 +119,37 @@ def _pack(pool: Pool, copies: list, allocate, ready: Optional[Fence]) -> Optiona
     return Both(ready, ev) if ready is not None else ev
 
 
+def _keeps(item: Item) -> str:
+    """What keeps ``item`` (for ``space_report``)."""
+    if item.pushes:
+        return "pushed"
+    if item.pins or item.orphaned_until:  # (a dropped reader's pin lasts until its deadline)
+        return "pinned by a READ grant"
+    if item.withdrawn:
+        return "withdrawn, promised"
+    if not item.interest:
+        return "unclaimed"
+    return "read, kept" if item.satisfied() else "being read"
+
+
+def space_report(kept: list[tuple[str, str]], pool: Pool) -> str:
+    """What keeps the pool's space, in one line: the items (hash, what keeps it; oldest first)
+    by what keeps them, the pool's deferred and quarantined slots, and how the free space is split."""
+    kinds = dict.fromkeys(("being read", "pinned by a READ grant", "pushed", "withdrawn, promised", "read, kept",
+                           "unclaimed"), 0)
+    for _, k in kept:
+        kinds[k] += 1
+    n = len(kept)
+    st = pool.stats()
+    parts = [f"{n} published item(s)" + (": " + ", ".join(f"{v} {k}" for k, v in kinds.items() if v) if n else "")]
+    if kept:
+        parts.append("oldest " + ", ".join(f"{h} ({k})" for h, k in kept[:3]))
+    parts.append(f"{st.deferred} slot(s) behind a fence, {st.quarantined} quarantined")
+    runs = pool.free_runs()
+    parts.append(f"free space in {len(runs)} run(s), largest {max(runs, default=0) * pool.block_size} B")
+    return "; ".join(parts)
+
+
 class Published:
     """The items table. Public calls (any thread): ``publish``/``publish_many``, ``reserve``/
     ``publish_slot``, ``unpublish``, ``hashes``; the rest is for the server (owner thread)."""
@@ -247,39 +278,10 @@ class Published:
         return False
 
     def held_by(self) -> str:
-        """What keeps the pool's space, in one line (for errors and status): items by what keeps
-        them, the pool's deferred and quarantined slots, and how the free space is split."""
-        kinds = {"being read": 0, "pinned by a READ grant": 0, "pushed": 0, "withdrawn, promised": 0,
-                 "read, kept": 0, "unclaimed": 0}
-        oldest: list[str] = []
-        with self._lock:
-            for h, item in sorted(self._items.items(), key=lambda kv: kv[1].t_pub):
-                if item.pushes:
-                    k = "pushed"
-                elif item.pins:
-                    k = "pinned by a READ grant"
-                elif item.orphaned_until:
-                    k = "pinned by a READ grant"  # of a dropped reader, until its deadline
-                elif item.withdrawn:
-                    k = "withdrawn, promised"
-                elif not item.interest:
-                    k = "unclaimed"
-                elif item.satisfied():
-                    k = "read, kept"
-                else:
-                    k = "being read"
-                kinds[k] += 1
-                if len(oldest) < 3:
-                    oldest.append(f"{h} ({k})")
-        n = sum(kinds.values())
-        st = self.pool.stats()
-        parts = [f"{n} published item(s)" + (": " + ", ".join(f"{v} {k}" for k, v in kinds.items() if v) if n else "")]
-        if oldest:
-            parts.append("oldest " + ", ".join(oldest))
-        parts.append(f"{st.deferred} slot(s) behind a fence, {st.quarantined} quarantined")
-        runs = self.pool.free_runs()
-        parts.append(f"free space in {len(runs)} run(s), largest {max(runs, default=0) * self.pool.block_size} B")
-        return "; ".join(parts)
+        """What keeps the pool's space, in one line (for errors and status): ``space_report``."""
+        with self._lock:  # (the pool's own lock is taken after this one is let go: _evict nests them)
+            kept = [(h, _keeps(item)) for h, item in sorted(self._items.items(), key=lambda kv: kv[1].t_pub)]
+        return space_report(kept, self.pool)
 
     def publish_slot(self, mm_hash: str, slot: Slot, shape, dtype: torch.dtype,
                      ready: Optional[Fence] = None) -> P.ItemDesc:
