@@ -533,12 +533,12 @@ def test_load_specs_carry_the_holding_producers_incarnation(producer, consumer_s
 
 
 def test_no_admission_while_a_hold_is_outstanding(producer, consumer_sides):
-    """Gated admission asked mid-hold: a request whose item carries no media (a miss would fail
-    it, so it is never admitted early) is not admitted while its producer has not answered the
+    """Gated admission asked mid-hold: a request whose item carries no media, with
+    ``early_without_media`` off (then it is never admitted early), is not admitted while its producer has not answered the
     Hold (it is frozen with SIGSTOP after the handshake), and has_cache_item says False on every
     step, so vLLM plans no load for it; once the producer answers, both say yes and the worker
     loads the item byte-exact."""
-    vc, sched, worker = consumer_sides({"peer_timeout_s": "10"})
+    vc, sched, worker = consumer_sides({"peer_timeout_s": "10", "early_without_media": False})
     producer.call("publish", [("warm", (ROWS, WIDTH), "bfloat16", 1), ("held", (ROWS, WIDTH), "bfloat16", 2)])
     assert admit(sched, request("w", [feature("warm")], params_for("warm", producer.address)))  # handshake done
     req = request("h", [feature("held", media=False)], params_for("held", producer.address))

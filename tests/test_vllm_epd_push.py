@@ -192,3 +192,61 @@ def test_encoder_killed_after_it_answered(producer, consumer_sides, media):
         assert not decided and sched.take_unavailable_requests() == {"k"}
         assert "gone" in sched._reqs["k"].failed and "127.0.0.1" in sched._reqs["k"].failed
     assert took < 10
+
+
+def test_a_metadata_only_request_is_admitted_in_its_first_step(producer, consumer_sides):
+    """``early_without_media`` (default): a request whose item is an ``image_embeds`` placeholder
+    is scheduled in the step it arrives, as one with its media is, not after its Hold's round trip.
+    The producer is frozen (SIGSTOP) from before the request arrives until the step is built, so
+    no order depends on timing: the load goes to the worker without a place, and once the producer
+    resumes the worker's own Get lands it byte-exact. If the producer stays frozen past
+    ``load_timeout_s``, the request fails naming the item (nothing to encode here); the step does
+    not hang, and the slot goes back."""
+    from vllm.v1.outputs import ECConnectorOutput
+
+    vc, sched, worker = consumer_sides({"admission_wait_s": "0", "load_timeout_s": "1", "mode": "read"})
+    producer.call("publish", [("warm", (ROWS, WIDTH), "bfloat16", 1), ("ph", (ROWS, WIDTH), "bfloat16", 6),
+                              ("late", (ROWS, WIDTH), "bfloat16", 7)])
+    warm = request("w", [feature("warm")], params_for("warm", producer.address))
+    assert admit(sched, warm)  # the link is up
+    req = request("m", [feature("ph", media=False)], pushed("ph", producer.address, "t-ph"))
+    producer.stop()
+    try:
+        assert sched.ensure_cache_available(req, 0) is True, "a metadata-only request waited for its Hold"
+        sched.update_state_after_alloc(req, 0)
+        meta = sched.build_connector_meta(None)
+    finally:
+        producer.cont()
+    (spec,) = [s for s in meta.loads if s.desc.mm_hash == "ph"]
+    assert spec.block == -1 and not spec.has_media
+    cache: dict = {}
+    worker.start_load_caches(cache, meta)
+    assert digest(cache["ph"]) == digest(make_item(6, (ROWS, WIDTH), "bfloat16"))
+    wm = worker.worker_meta()
+    assert (0, "ph") in wm.loaded and not wm.failed, wm
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+    assert sched.metrics.snapshot()["counters"]["early_admissions"] >= 1
+
+    late = request("l", [feature("late", media=False)], pushed("late", producer.address, "t-late"))
+    producer.stop()
+    try:
+        assert sched.ensure_cache_available(late, 0) is True
+        sched.update_state_after_alloc(late, 0)
+        meta = sched.build_connector_meta(None)
+        t0 = time.monotonic()
+        worker.start_load_caches({}, meta)
+        took = time.monotonic() - t0
+    finally:
+        producer.cont()
+    print(f"metadata-only early load from a frozen producer failed after {took * 1000:.0f} ms")
+    assert took < 3, f"the step waited {took:.1f}s (load_timeout_s is 1 s)"
+    wm = worker.worker_meta()
+    assert [f[1:3] for f in wm.failed] == [("l", "late")] and "no media" in wm.failed[0][3], wm
+    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+    assert "l" in sched.take_unavailable_requests()
+    sched.request_finished(late)
+    sched.update_state_after_free(req, 0)  # the first request's item is in the KV cache now
+    sched.request_finished(req)
+    sched.request_finished(warm)  # (its item was prefetched, never loaded)
+    worker.start_load_caches({}, sched.build_connector_meta(None))  # (their releases)
+    assert worker.endpoint.wait_for(lambda: worker.endpoint.pool.stats().used == 0, 10), worker.endpoint.pool.stats()

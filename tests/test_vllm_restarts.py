@@ -160,9 +160,9 @@ def test_no_reroute_without_the_steps_own_scheduler_output(vllm_producer, consum
 
 
 def test_an_early_load_from_a_producer_that_stopped_answering_is_encoded_here(vllm_producer, consumer_sides):  # noqa: F811
-    """FAULT INJECTION: the producer freezes (SIGSTOP) right after a request with its media was
-    admitted early, before the step's metadata was built, so its load goes to the worker without a
-    place. The worker's Get cannot be answered: the step waits ``early_load_wait_s`` for it, not
+    """FAULT INJECTION: the producer freezes (SIGSTOP) as a request with its media arrives: it is
+    admitted early (the producer answered until then), and its Hold stays unanswered, so its load
+    goes to the worker without a place. The worker's Get cannot be answered: the step waits ``early_load_wait_s`` for it, not
     ``load_timeout_s``, and the item joins the step's encoder inputs (encoded by vLLM in the same
     step). The scheduler then admits no more early from that producer: the next request waits for
     its Hold."""
@@ -176,9 +176,9 @@ def test_an_early_load_from_a_producer_that_stopped_answering_is_encoded_here(vl
     worker.start_load_caches({}, meta)  # the worker's link is up too
     assert worker.worker_meta().loaded == [(0, "warm")]
     req = request("s", [feature("stuck")], params_for("stuck", prod.address))
-    assert sched.ensure_cache_available(req, 0) is True, "connected and answering: admitted early"
-    prod.stop()
+    prod.stop()  # before the Hold goes out (it would be answered in about a millisecond): it stays unanswered
     try:
+        assert sched.ensure_cache_available(req, 0) is True, "connected and answering: admitted early"
         so, meta = step(sched, req)
         assert meta.loads[0].block == -1 and meta.loads[0].has_media
         t0 = time.monotonic()

@@ -47,6 +47,14 @@ class NixlECOptions:
     media and the producer is connected and answering (``vllm.scheduler``): it is scheduled in the
     step a local cache hit would be, and a miss costs a local encode. False: every request waits
     for its Holds (gated)."""
+    early_without_media: bool = True
+    """Early admission also for items without media (vLLM EPD routers' ``image_embeds``
+    placeholders): such a request is scheduled in the step it arrives, like one with its media,
+    instead of after its Hold's round trip. A Hold that answers "not ready" before vLLM scheduled
+    it still puts it back on the gated path; once scheduled, its workers ask the producer
+    themselves (waiting for a republish, up to ``load_timeout_s``), and an item that does not
+    land fails the request, as a gated one fails after ``missing_grace_s``. False: such requests
+    wait for their Holds (what they lose then is only the retries of a producer that is busy)."""
     early_load_wait_s: float = 0.5
     """Longest a step waits for an early-admitted item whose place its Hold had not given when the
     step was built (the workers ask the producer for it): then it is encoded in that step. It

@@ -4,15 +4,18 @@ Consumer: admission. Every remote item of a request is asked of its producer wit
 lease and the item's place) the moment the request is first seen. What the request waits for
 depends on what a miss would cost:
 
-* **Early admission** (the standard E-then-PD flow): when every remote item carries its media (a
-  miss costs a local encode, never the request) and its producer answers its control plane, the
-  request is admitted at once, in the step a local cache hit would be: ``has_cache_item`` says
+* **Early admission** (the standard E-then-PD flow, and the push flow): when every remote item
+  carries its media (a miss costs a local encode, never the request), or carries none but was
+  announced by an encoder that answered already (``early_without_media``: a router's
+  placeholders; a miss fails it, as it would gated), and its producer answers its control plane,
+  the request is admitted at once, in the step a local cache hit would be: ``has_cache_item`` says
   True with a provisional place. ``build_connector_meta`` then gives the step's loads the places
   their Holds answered (waiting ``admission_wait_s`` at most, once per step, for all of them); a
   load whose Hold has not answered yet is fetched by the workers themselves (a Get, one round
   trip, then the READ), and the worker's barrier still keeps it from the gather until it landed.
   A Hold that answers "no" before the request is scheduled turns it back into a gated one (below).
-* **Gated admission** (metadata-only items, items expected from an encoder still running,
+* **Gated admission** (items expected from an encoder still running, metadata-only items with
+  ``early_without_media`` off,
   producers not connected yet or silent, loads measured as long on a busy engine): the request
   is admitted only once each item's producer has confirmed, over the control plane, that the item
   is ready and held for us. Only then does ``has_cache_item`` say True, so the scheduler never
@@ -288,17 +291,17 @@ class SchedulerSide:
                                     if s.desc.mm_hash in adm.items])
 
     def _admit_early(self, adm: _Admission) -> bool:
-        """Admit ``adm`` now, before its Holds answer, where a miss costs no more than a local
-        encode: every remote item carries its media (``fallback`` 'auto'), none is expected from
-        an encoder still running, each producer is connected and answering (``ProducerView.answering``), and
-        the engine is idle or the items' transfers are not measured as long (those keep their
-        prefetch step). Its items become ready with a provisional place (block -1): the end of the
-        step gives each load the place its Hold answered (``_place_loads``)."""
+        """Admit ``adm`` now, before its Holds answer: every remote item carries its media (a miss
+        costs a local encode; ``fallback`` 'auto') or none does (``early_without_media``: a miss fails
+        it, as gated), none is expected from an encoder still running, each producer is connected
+        and answering (``ProducerView.answering``), and the engine is idle or the transfers are not
+        measured as long. Its items become ready with a provisional place (block -1): the end of
+        the step gives each load the place its Hold answered (``_place_loads``)."""
         if not self.opts.early_admission or self.opts.fallback != "auto" or adm.failed or adm.expected \
                 or not adm.items:
             return False
         items = list(adm.items.values())
-        if any(it.status != "holding" or not it.has_media for it in items):
+        if any(it.status != "holding" or not (it.has_media or self.opts.early_without_media) for it in items):
             return False
         now = time.monotonic()
         if not all(self.producers.answering(p, now) for p in {it.remote.producer for it in items}):

@@ -159,16 +159,18 @@ class WorkerSide:
             # An early-admitted load without a place (its Hold had not answered when the step was
             # built) that carries its media waits early_load_wait_s at most, then is encoded here:
             # its producer stopped answering just now (the scheduler admits no more early from
-            # it), and the whole step must not wait out load_timeout_s for it.
-            unplaced = [s for s in fresh if s.block < 0 and s.has_media]
-            placed = [s for s in fresh if not (s.block < 0 and s.has_media)]
+            # it), and the whole step must not wait out load_timeout_s for it. One without media
+            # cannot be encoded here: it gets the whole load_timeout_s.
+            placed = [s for s in fresh if s.block >= 0]
             if placed:
                 tickets += self.endpoint.load(self._refs(placed))
-            if unplaced:  # (an encoder-cache hit is published again one producer step after its
-                # announcement: the producer may keep the Get that long for it)
-                tickets += self.endpoint.load(self._refs(unplaced),
-                                              timeout=min(self.opts.early_load_wait_s, self.endpoint.cfg.load_timeout_s),
-                                              wait_s=REPUBLISH_WAIT_S)
+            for media in (True, False):
+                unplaced = [s for s in fresh if s.block < 0 and s.has_media == media]
+                if unplaced:  # (an encoder-cache hit is published again one producer step after
+                    # its announcement: the producer may keep the Get that long for it)
+                    wait = self.endpoint.cfg.load_timeout_s
+                    tickets += self.endpoint.load(self._refs(unplaced), wait_s=REPUBLISH_WAIT_S,
+                                                  timeout=min(self.opts.early_load_wait_s, wait) if media else wait)
         try:
             self.barrier.wait(tickets)
         except LoadFailed:

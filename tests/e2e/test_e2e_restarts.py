@@ -72,6 +72,9 @@ TIMERS = {
     "nixl_progress_thread": "false", "peer_timeout_s": "15", "load_timeout_s": "15", "early_load_wait_s": "15",
     "link_timeout_s": str(LINK_TIMEOUT_S),
     "missing_grace_s": "10",  # the consumer case keeps a request waiting on a missing item this long
+    # ... which it can only while metadata-only requests are gated on their Holds (early, the
+    # missing item's load would fail the request at once: nothing would wait for it)
+    "early_without_media": "false",
 }
 OUTCOME = "ec_nixl_consumer"
 POOL_USED = "vllm:nixl_ec_pool_used_bytes"
@@ -351,8 +354,8 @@ def test_rolling_encoder_restarts_cost_no_request(rig: Restarts, baseline: Basel
 def _held_bodies(model: str, tag: str) -> tuple[dict[str, Any], Callable[[dict[str, Any]], dict[str, Any]], str, str]:
     """The encoder gets one image (uuid ``held``); the consumer gets that image and a second one
     (uuid ``missing``), both as metadata-only placeholders with the encoder's answer as their
-    ``ec_transfer_params``: it has no pixels to encode either itself, so the request is gated
-    (not admitted early): it holds the first and keeps asking for the second, which the encoder
+    ``ec_transfer_params``: it has no pixels to encode either itself, and the rig gates such
+    requests (``early_without_media`` off), so it is not admitted early: it holds the first and keeps asking for the second, which the encoder
     never had. Returns (encoder body, PD body from the encoder's params, held, missing)."""
     held, missing = f"{tag}-held-{time.time_ns()}", f"{tag}-missing-{time.time_ns()}"
     enc = chat_body(model, [(96, 80)], tag)
