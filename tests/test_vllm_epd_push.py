@@ -20,17 +20,8 @@ pytest.importorskip("vllm", reason="the vLLM CPU build is part of the test envir
 
 from peers import digest, make_item  # noqa: E402
 from test_epd_control import BAD, ask  # noqa: E402
-from test_vllm_adapter import (  # noqa: E402
-    ROWS,
-    WIDTH,
-    admit,
-    consumer_sides,  # noqa: F401  (fixture)
-    feature,
-    params_for,
-    producer,  # noqa: F401  (fixture)
-    request,
-    tiny_model,  # noqa: F401  (fixture)
-)
+from test_vllm_adapter import (ROWS, WIDTH, admit, consumer_sides, feature, params_for,  # noqa: E402, F401
+                               producer, request, tiny_model)  # (consumer_sides, producer, tiny_model: fixtures)
 
 
 def control_address(sched) -> str:
