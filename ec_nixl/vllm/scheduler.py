@@ -35,7 +35,9 @@ A request may arrive before its encoder has finished (``ec_nixl_expect``: the pr
 both at once): its items are then expected at the named producer, and their Hold waits there
 until they are published, so the request's own preprocessing overlapped the encoder's work.
 
-Producer: ``request_finished`` announces each encoded item (``announce.Announcer``). What a
+What the scheduler records of each request, and what it decides at first sight (remote, local,
+failed), is ``admission``. Producer: ``request_finished`` announces each encoded item
+(``announce.Announcer``). What a
 consumer's scheduler knows of each producer (Holds in flight, failures, link probes) is
 ``producers.ProducerView``; what an item of this model is (shape, media) is
 ``features.FeatureFacts``.
@@ -47,18 +49,16 @@ import collections
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 from ec_nixl import protocol as P
 from ec_nixl.endpoint import Endpoint
 from ec_nixl.errors import ConfigError
-from ec_nixl.queries import HoldRequest
 from ec_nixl.metrics import Metrics
-from ec_nixl.params import parse_expect
+from ec_nixl.vllm.admission import Admission, Item, decide, first_sight, outcome
 from ec_nixl.vllm.announce import Announcer
 from ec_nixl.vllm.features import FeatureFacts
-from ec_nixl.vllm.metadata import LoadSpec, NixlECMetadata, NixlECWorkerMeta, RemoteItem, parse_params
+from ec_nixl.vllm.metadata import LoadSpec, NixlECMetadata, NixlECWorkerMeta
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
 from ec_nixl.vllm.producers import ProducerView
 from ec_nixl.vllm.worker_report import apply as apply_worker_report
@@ -68,80 +68,10 @@ from ec_nixl.vllm.transfers import TransferIds
 logger = logging.getLogger("ec_nixl.vllm")
 
 _RETRY = {P.Nack.NOT_READY.value, P.Nack.BUSY.value, "TIMEOUT"}
-OUTCOME_KEY = "ec_nixl_consumer"
-"""Key of a consumer's answer ``ec_transfer_params``: {"loaded": [...], "local": [...]} mm hashes."""
 _HOLD_REFRESH_S = 0.5  # re-hold a waiting request's items when less than this fraction of the lease is left
 _STEPS_KEPT = 4
 """Metadata objects whose SchedulerOutput reference is kept: more than the steps vLLM has in
 flight, so every worker has used it before it is cleared (which breaks the reference cycle)."""
-
-
-@dataclass
-class _Item:
-    remote: RemoteItem
-    has_media: bool
-    offset_end: int  # placeholder offset + length: consumed once num_computed_tokens passes it
-    status: str = "holding"  # holding | ready | local | failed
-    early: bool = False  # admitted before its Hold answered (ready with a provisional place until then)
-    loaded: bool = False  # handed to the workers as a load (vLLM did not have it cached)
-    hold: Optional[HoldRequest] = None
-    next_try: float = 0.0
-    detail: str = ""
-
-
-@dataclass
-class _Admission:
-    req_id: str
-    items: dict[str, _Item]
-    floor: int = 0
-    """Features whose placeholder ends at or below this many computed tokens are not decided yet
-    (the request had them computed when first seen)."""
-    remote: dict[str, RemoteItem] = field(default_factory=dict)  # every valid item of its params
-    expected: set[str] = field(default_factory=set)  # of remote: not encoded yet (ec_nixl_expect): Holds wait
-    errors: dict[str, str] = field(default_factory=dict)  # per-item problems with its params
-    t0: float = field(default_factory=time.monotonic)
-    failed: str = ""
-    deferred_step: int = -1  # the step whose metadata carried this request's prefetches
-    first_step: int = 0  # the scheduling step that first saw it (the admission phases count from here)
-    t_first: float = field(default_factory=time.monotonic)
-    admitted: bool = False
-
-
-def _end(feature) -> int:
-    """Placeholder offset + length: the feature is consumed once num_computed_tokens reaches it."""
-    return feature.mm_position.offset + feature.mm_position.length
-
-
-def _expect(adm: _Admission, request, params, num_computed_tokens: int, facts: FeatureFacts) -> None:
-    """``ec_nixl_expect``: the request reached us while its encoder still runs at the named
-    producer. Each of its items not announced otherwise is expected there under its own
-    identifier, with the shape this model gives it (rows from the placeholder, width and dtype as
-    a producer of this model publishes them); the producer's answer is checked against that like
-    any announcement."""
-    producer, why = parse_expect(params)
-    if why:
-        adm.errors.setdefault("*", why)
-        return
-    if producer is None:
-        return
-    for f in request.mm_features:
-        h = f.identifier
-        if h in adm.remote or h in adm.errors or _end(f) <= num_computed_tokens:
-            continue
-        desc = facts.describe(f)
-        if desc is not None:
-            adm.remote[h] = RemoteItem(desc, producer)
-            adm.expected.add(h)
-
-
-def _outcome(adm: Optional[_Admission]) -> Optional[dict]:
-    """Consumer: which announced items were loaded and which encoded here (the answer's
-    ``ec_transfer_params``, non-streamed answers only; for clients, proxies and tests)."""
-    if adm is None or not adm.items:
-        return None
-    items = adm.items.items()
-    return {OUTCOME_KEY: {"loaded": sorted(h for h, it in items if it.loaded and it.status == "ready"),
-                          "local": sorted(h for h, it in items if it.status == "local")}}
 
 
 def _runs(scheduler_output) -> bool:
@@ -173,7 +103,6 @@ class SchedulerSide:
         self.opts = opts
         self.place = place
         self.facts = FeatureFacts(vllm_config)
-        self.dtype = self.facts.dtype
         self.metrics = Metrics()
         self.announcer = Announcer(self.facts, opts, place)  # producer: what a finished request announces
         self.endpoint: Optional[Endpoint] = None
@@ -185,7 +114,7 @@ class SchedulerSide:
             self.producers = ProducerView(self.endpoint, place.readers, opts.prefetch_defer_s)
             if self.endpoint.server is not None:  # the PD's control port: vLLM EPD routers' cancels
                 self.endpoint.server.on_cancel = self.transfers.cancel
-        self._reqs: dict[str, _Admission] = {}
+        self._reqs: dict[str, Admission] = {}
         self._ready: dict[str, LoadSpec] = {}  # mm_hash -> where to load it from (held)
         self._users: dict[str, set[str]] = {}  # mm_hash -> request ids that need it
         self._loads: list[LoadSpec] = []
@@ -219,7 +148,9 @@ class SchedulerSide:
             # vLLM >= 0.33 asks with the computed tokens minus the prefix-replay tail
             # (ec_computed_tokens), and a preempted request comes back with fewer: items that
             # were already computed when the request was first seen can be needed again.
-            self._decide(adm, request, num_computed_tokens, adm.floor)
+            decide(adm, request, num_computed_tokens, adm.floor, self.facts, self._users)
+            if adm.failed:
+                self._unavailable.add(adm.req_id)
         if not adm.items and not adm.failed:
             return True  # nothing remote: vLLM encodes it (decided once per request)
         if adm.failed:
@@ -284,13 +215,13 @@ class SchedulerSide:
         self._idle_blocked_step = self._step
         return True
 
-    def _worth_a_step(self, adm: _Admission) -> bool:
+    def _worth_a_step(self, adm: Admission) -> bool:
         """Whether the transfers this step's metadata starts for ``adm`` (its prefetches) are long
         enough to keep it out of this step (``ProducerView.long``)."""
         return self.producers.long([adm.items[s.desc.mm_hash].remote for s in self._prefetch
                                     if s.desc.mm_hash in adm.items])
 
-    def _admit_early(self, adm: _Admission) -> bool:
+    def _admit_early(self, adm: Admission) -> bool:
         """Admit ``adm`` now, before its Holds answer: every remote item carries its media (a miss
         costs a local encode; ``fallback`` 'auto') or none does (``early_without_media``: a miss fails
         it, as gated), none is expected from an encoder still running, each producer is connected
@@ -348,62 +279,19 @@ class SchedulerSide:
             elif not self.producers.pushes(s.producer):  # (a pushed item needs no place)
                 self.metrics.count("unplaced_loads")
 
-    def _admit(self, request, num_computed_tokens: int) -> _Admission:
-        """First sight of a request: validate its params once, decide what is remote or local.
-
-        A feature that carries no media (a metadata-only placeholder) and has no valid remote
-        item cannot be encoded here: its request fails now, with the reason, instead of crashing
-        the engine in the encoder later.
-        """
-        rid = request.request_id
-        adm = _Admission(rid, {}, floor=num_computed_tokens, first_step=self._step)
-        self._reqs[rid] = adm
+    def _admit(self, request, num_computed_tokens: int) -> Admission:
+        """First sight of a request (``admission.first_sight``); the push flow's transfer ids are noted."""
+        adm = first_sight(request, num_computed_tokens, self._step, self.facts, self.opts.fallback == "auto",
+                          self._users, self.metrics)
+        self._reqs[adm.req_id] = adm
         params = getattr(request, "ec_transfer_params", None)
         if params:
-            expected = {f.identifier: f.mm_position.get_num_embeds() for f in request.mm_features}
-            adm.remote, adm.errors = parse_params(params, expected, self.dtype)
-            self.transfers.seen(rid, params, set(expected))
-            _expect(adm, request, params, num_computed_tokens, self.facts)
-            if adm.expected:
-                self.metrics.count("expected_items", len(adm.expected))
-        by_id = {f.identifier: f for f in request.mm_features if _end(f) > num_computed_tokens}
-        for h, why in adm.errors.items():
-            f = by_id.get(h)
-            msg = f"request {rid}: bad ec_transfer_params for item {h}: {why}"
-            if f is not None and self.facts.has_media(f) and self.opts.fallback == "auto":
-                logger.warning("%s; encoding it locally", msg)
-                self.metrics.count("local_fallbacks")
-            else:
-                logger.warning("%s", msg)
-        self._decide(adm, request, num_computed_tokens)
+            self.transfers.seen(adm.req_id, params, {f.identifier for f in request.mm_features})
+        if adm.failed:
+            self._unavailable.add(adm.req_id)
         return adm
 
-    def _decide(self, adm: _Admission, request, lo: int, hi: Optional[int] = None) -> None:
-        """Decide the features whose placeholder ends in (lo, hi]: remote, local or failed."""
-        rid, added = adm.req_id, False
-        for f in request.mm_features:
-            end = _end(f)
-            if end <= lo or (hi is not None and end > hi):
-                continue  # already computed, or decided before
-            h = f.identifier
-            remote = adm.remote.get(h)
-            if remote is not None:
-                if h not in adm.items:
-                    adm.items[h] = _Item(remote, self.facts.has_media(f), end)
-                    self._users.setdefault(h, set()).add(rid)
-                    added = True
-            elif not self.facts.has_media(f):
-                why = adm.errors.get(h) or adm.errors.get("*") or "no ec_transfer_params for it"
-                adm.failed = (f"request {rid}: item {h} carries no media to encode here and "
-                              f"cannot be loaded ({why})")
-                logger.error("%s; failing the request", adm.failed)
-                self._unavailable.add(rid)
-                break
-        adm.floor = lo
-        if added and hi is not None:
-            adm.t0 = time.monotonic()  # the admission deadline runs for the new items from now
-
-    def _send_holds(self, adm: _Admission) -> None:
+    def _send_holds(self, adm: Admission) -> None:
         """One Hold per producer for the items still waiting (and not already asked)."""
         now = time.monotonic()
         by_producer: dict[tuple[str, bool], list[str]] = {}
@@ -418,7 +306,7 @@ class SchedulerSide:
             for h in hashes:
                 adm.items[h].hold = hr
 
-    def _advance(self, adm: _Admission, h: str, it: _Item, now: float) -> None:
+    def _advance(self, adm: Admission, h: str, it: Item, now: float) -> None:
         if it.hold is None or not it.hold.done:
             if now - adm.t0 > self.opts.admission_timeout_s:
                 self._give_up(adm, h, it, f"not ready at its producer after {self.opts.admission_timeout_s:.1f}s")
@@ -451,7 +339,7 @@ class SchedulerSide:
             return
         self._give_up(adm, h, it, f"{state.status}: {state.detail}")
 
-    def _take_answer(self, adm: _Admission, h: str, it: _Item, now: float) -> None:
+    def _take_answer(self, adm: Admission, h: str, it: Item, now: float) -> None:
         """The Hold of a ready item answered: its place (an early item's first, or a renewed
         lease). Any other answer for an early item the scheduler has not handed to the workers
         yet puts it back on the gated path (``_advance``: retries, grace, local encode); once
@@ -481,7 +369,7 @@ class SchedulerSide:
         it.next_try, it.detail = now + 0.002, f"{state.status}: {state.detail}"
         self.metrics.count("early_reverted")
 
-    def _give_up(self, adm: _Admission, h: str, it: _Item, why: str) -> None:
+    def _give_up(self, adm: Admission, h: str, it: Item, why: str) -> None:
         msg = f"encoder output {h} of request {adm.req_id} from {it.remote.producer} unavailable: {why}"
         if it.has_media and self.opts.fallback == "auto":
             logger.warning("%s; encoding it locally instead", msg)
@@ -586,7 +474,7 @@ class SchedulerSide:
                 self.endpoint.release(producer, hashes, self.place.readers)
         params = self.announcer.finished(request, loaded_here)
         if not self.place.is_producer or not request.mm_features:
-            return False, _outcome(adm)
+            return False, outcome(adm)
         return False, params
 
     # ================================================================ both
