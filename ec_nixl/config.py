@@ -57,6 +57,13 @@ class EndpointConfig:
     """Longest NIXL's progress thread sleeps when UCX signals nothing (it wakes at once on UCX
     events; this bounds a missed wake-up, and costs ~0.2 % of a core per agent at 10 ms).
     0 restores NIXL's default: a thread that spins, a core per agent even when idle."""
+    native_handoff: bool = True
+    """A serving endpoint posts the WRITE of a Push parked for an item not published yet from
+    the publish itself, through a thread that never takes the GIL (ec_nixl/handoff.py,
+    csrc/handoff.cpp): the runner going on in Python after its encoder step no longer delays it.
+    It needs the library built (setup.py) and the nixl wheel's C API; without them, or False,
+    pushes are posted by the endpoint's I/O thread in Python. Its thread sleeps when no WRITE
+    is in flight. The agent then locks around its calls (NIXL_THREAD_SYNC_STRICT)."""
     load_timeout_s: float = 5.0
     """Longest a load may take from request to landed before it fails."""
     announce_lease_s: float = 60.0

@@ -35,6 +35,7 @@ from ec_nixl.links import Links
 from ec_nixl.loader import Loader
 from ec_nixl.loop import OwnerLoop
 from ec_nixl.metrics import Metrics
+from ec_nixl.native_push import NativePushes
 from ec_nixl.pool import Fence, Pool, Slot
 from ec_nixl.published import Published
 from ec_nixl.queries import HoldRequest
@@ -73,12 +74,16 @@ class Endpoint:
                     self.pool = Pool(arena, cfg.block_bytes, reserved_blocks=cfg.probe_blocks)
                     self.transport = Transport(self.me.agent, arena, cfg.block_bytes, tuple(cfg.backends),
                                                dict(cfg.backend_params), progress_thread=cfg.progress_thread,
-                                               progress_wait_s=cfg.nixl_progress_wait_s)
+                                               progress_wait_s=cfg.nixl_progress_wait_s,
+                                               native_handoff=cfg.native_handoff and cfg.listen is not None)
                 except Exception:
                     arena.close()
                     raise
                 self.items = Published(cfg, self.pool, self.metrics, wait_for=self.loop.wait_for,
                                        on_free=self.loop.changed, on_publish=self._published_some)
+                if self.transport.handoff is not None:
+                    self.items.native = NativePushes(self.transport.handoff, self.transport.local_dlist,
+                                                     cfg.block_bytes)
             self.links = Links(cfg, self.me, self.loop, self.metrics, self.transport)
             if self.pool is not None:
                 self.loader = Loader(cfg, self.pool, self.transport, self.metrics, self.loop, self.links)
@@ -254,6 +259,10 @@ class Endpoint:
         if self.server is not None and len(self.server) <= STATS_DETAIL_MAX:
             snap["consumers"] = self.server.names()
         snap["peers"] = len(self.links)
+        if self.transport is not None:
+            snap["native_handoff"] = self.transport.handoff_why  # "on", or why pushes are posted in Python
+        if self.items is not None and self.items.native is not None:
+            snap["native_armed"] = self.items.native.armed()  # parked pushes whose publish will start them
         return snap
 
     # --- shutdown --------------------------------------------------------------------

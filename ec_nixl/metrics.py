@@ -40,6 +40,7 @@ COUNTERS = (
     "unplaced_loads",  # consumer scheduler: early loads over READ links sent without a place (the workers Get it)
     "holds_parked",  # producer: Holds and Gets that waited for items not published yet (wait_s)
     "pushes_parked",  # producer: Pushes that waited for items not published yet (Push.wait_s)
+    "native_pushes",  # producer: of their items, WRITEs the publish started off the GIL (native_handoff)
     "expected_items",  # consumer scheduler: items asked for before their encoder finished (ec_nixl_expect)
 )
 

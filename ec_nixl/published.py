@@ -39,7 +39,7 @@ logger = logging.getLogger("ec_nixl")
 class Push:
     """One consumer reader's request that we WRITE an item into its slot ``block``."""
 
-    __slots__ = ("session", "reader", "block", "nbytes", "req", "xfer", "state")
+    __slots__ = ("session", "reader", "block", "nbytes", "req", "xfer", "state", "native")
 
     def __init__(self, session: str, reader: int, block: int, nbytes: int, req: int):
         self.session = session
@@ -49,6 +49,7 @@ class Push:
         self.req = req
         self.xfer = None
         self.state = PushState.QUEUED
+        self.native = False  # started by the publish through the native hand-off (native_push)
 
     def posted(self, xfer) -> None:
         self.xfer = xfer
@@ -164,6 +165,7 @@ class Published:
         self._wait_for, self._on_free, self._on_publish = wait_for, on_free, on_publish
         self._lock = threading.Lock()
         self._items: dict[str, Item] = {}
+        self.native = None  # native_push.NativePushes: parked pushes the publish starts (server sets it)
 
     def __len__(self) -> int:
         with self._lock:
@@ -331,8 +333,12 @@ class Published:
 
     def _add(self, desc: P.ItemDesc, slot: Slot, ready: Optional[Fence]) -> None:
         with self._lock:
-            self._items[desc.mm_hash] = Item(desc, slot, ready, self.cfg.announce_lease_s)
+            item = self._items[desc.mm_hash] = Item(desc, slot, ready, self.cfg.announce_lease_s)
+            fired = self.native.take_armed(item, self._claim, time.monotonic()) if self.native else None
         self.metrics.count("published")
+        if fired:  # parked pushes of this item: their WRITEs start now, off the GIL
+            self.native.fire(item, fired)
+            self.metrics.count("native_pushes", len(fired))
 
     def _evictor(self) -> Optional[Callable[[int], int]]:
         return self._evict if self.cfg.evict_unclaimed else None

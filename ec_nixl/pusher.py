@@ -76,6 +76,8 @@ class Pusher:
 
     def poll(self) -> None:
         """Post queued pushes whose item is ready; finish the ones NIXL reports done."""
+        if self.published.native is not None:  # pushes their publish started natively: ours to end
+            self._active.extend(self.published.native.take_fired())
         if not self._active:
             return
         groups: dict[tuple[str, int], list[tuple[Item, Push]]] = {}

@@ -321,13 +321,22 @@ class Server:
         """Start the pushes of ``msg`` whose items exist and refuse the ones that cannot be
         pushed; with ``park``, items not published yet are not refused but returned (as the
         Push to keep waiting), else None."""
+        native = self._table().native  # native_push: the publish itself starts a parked push's WRITE
+        if native is not None:
+            msg = native.unstarted(s.id, msg)
+            if not msg.items:
+                return None
         accepted, failed = self._table().claim_pushes(s.id, s.group, s.arena, msg)
-        rest = None
+        rest, missing = None, set()
         if park:
             missing = {st.mm_hash for st in failed if st.status == P.Nack.MISSING.value}
             if missing:
                 rest = msgspec.structs.replace(msg, items=[it for it in msg.items if it.mm_hash in missing])
                 failed = [st for st in failed if st.mm_hash not in missing]
+        if native is not None:
+            native.disarm(s.id, {it.mm_hash for it in msg.items} - missing)
+            if rest is not None:
+                native.arm(s.id, s.group, s.peer, s.arena, rest, missing)
         if failed:
             self.reply(identity, P.PushFailed(req=msg.req, items=failed))
         self.pusher.add(accepted)
@@ -341,6 +350,8 @@ class Server:
 
     def _unpark_pushes(self, sid: str, mm_hashes: set[str]) -> None:
         """Take ``mm_hashes`` out of session ``sid``'s parked pushes (nothing of them was written)."""
+        if self.published is not None and self.published.native is not None:
+            self.published.native.disarm(sid, mm_hashes)  # (what a publish started is a push now)
         keep = []
         for deadline, identity, psid, msg in self._parked:
             if psid == sid and isinstance(msg, P.Push):
@@ -409,6 +420,8 @@ class Server:
         """End ``s``; its NIXL peer goes with the last session of that agent (a reconnect of the
         same incarnation shares it)."""
         self._sessions.pop(s.id, None)
+        if self.published is not None and self.published.native is not None:
+            self.published.native.disarm(s.id)
         group_left = any(o.group == s.group for o in self._sessions.values())
         if self.published is not None:
             self.published.drop_session(s.id, s.group, group_left)

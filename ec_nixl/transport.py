@@ -224,6 +224,22 @@ class Xfer:
         self.t_posted = time.monotonic()
 
 
+class NativeXfer(Xfer):
+    """A WRITE the native hand-off posts (``native_push``): polled and released through it, by key.
+    ``keep``: what must outlive the WRITE (the CUDA event its thread waits on)."""
+
+    __slots__ = ("key", "keep")
+
+    def __init__(self, key: int, nbytes: int, peer: str, keep=None):
+        super().__init__(None, "WRITE", peer, nbytes, "PROC")
+        self.key, self.keep = key, keep
+
+
+_NATIVE_STATES = {"ARMED": "PROC", "FIRED": "PROC", "POSTED": "PROC", "DONE": "DONE"}
+"""The hand-off's entry states as a transfer's (ARMED: its publish is firing it now; the rest,
+FAILED, CANCELLED and an unknown key, are ERR)."""
+
+
 class Transport:
     """The rank's NIXL agent, its registered arena and its peers' prepped dlists."""
 
@@ -237,6 +253,7 @@ class Transport:
         telemetry: bool = True,
         progress_thread: bool = False,
         progress_wait_s: float = 0.01,
+        native_handoff: bool = False,
     ):
         _, nixl_agent_config = load_nixl()
         self.name = name
@@ -247,8 +264,13 @@ class Transport:
         # module docstring); without it, only our NIXL calls (polls, notification drains) do, so
         # the endpoint must keep calling while peers may be waiting on us.
         self.progress_thread = progress_thread
+        extra = {}
+        if native_handoff:  # the hand-off's thread calls the agent too: NIXL must lock
+            from nixl._api import nixl_thread_sync_t
+
+            extra["sync_mode"] = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         self._agent = _new_agent(name, nixl_agent_config(backends=[], capture_telemetry=telemetry,
-                                                         enable_prog_thread=progress_thread),
+                                                         enable_prog_thread=progress_thread, **extra),
                                  progress_wait_s)
         for b in backends:
             params = ucx_params(backend_params, arena.mem_type) if b == "UCX" else {}
@@ -270,6 +292,15 @@ class Transport:
         )
         self.metadata: bytes = self._agent.get_agent_metadata()
         self.peers: dict[str, Peer] = {}  # by NIXL agent name
+        self.handoff = None  # handoff.NativeHandoff: pushes posted off the GIL (native_push)
+        self.handoff_why = "off (native_handoff=False)"
+        if native_handoff:
+            from ec_nixl.handoff import NativeHandoff
+
+            self.handoff, why = NativeHandoff.attach(self._agent, cuda=arena.mem_type == "VRAM")
+            self.handoff_why = why or "on"
+            if self.handoff is None:
+                logger.info("ec-nixl: pushes are posted in Python (native hand-off unavailable: %s)", why)
         # Whether we can read the agent name in a peer's metadata before NIXL does (our own
         # metadata says whether this NIXL writes it where md_agent looks).
         self._md_names = md_agent(self.metadata) == name
@@ -351,12 +382,21 @@ class Transport:
             logger.debug("make_connection(%s) failed: %s", agent, e)
         return peer
 
+    @property
+    def local_dlist(self):
+        """Our arena's prepped list (block k = descriptor k)."""
+        return self._local
+
     def forget_peer(self, name: str) -> None:
-        """Drop a peer's dlist and metadata (peer gone or restarted)."""
+        """Drop a peer's dlist and metadata (peer gone or restarted). The native hand-off lets go
+        of the list first: what it had armed on it never writes, what it fired is cancelled."""
         self._check_owner()
         peer = self.peers.pop(name, None)
         if peer is not None:
-            self._drop_dlist(peer)
+            if self.handoff is not None and not self.handoff.quiesce(peer.dlist):
+                logger.error("ec-nixl: the native hand-off still posts to %s after 1 s: its list is kept", name)
+            else:
+                self._drop_dlist(peer)
         self._unload(name)
 
     def _unload(self, name: str) -> None:
@@ -434,7 +474,11 @@ class Transport:
         check = self._status
         out = []
         for x in xfers:
-            if x.state == "PROC" and not x.released:
+            if x.state == "PROC" and not x.released and isinstance(x, NativeXfer):
+                x.state = _NATIVE_STATES.get(self.handoff.take(x.key).state, "ERR")
+                if x.state == "PROC":
+                    continue
+            elif x.state == "PROC" and not x.released:
                 try:
                     x.state = check(x.handle)
                 except Exception as e:
@@ -447,7 +491,7 @@ class Transport:
 
     def telemetry(self, x: Xfer) -> Optional[tuple[float, float, int, int]]:
         """(post_us, xfer_us, bytes, descriptors) of a finished transfer, if NIXL captured it."""
-        if not self._telemetry:
+        if not self._telemetry or isinstance(x, NativeXfer):
             return None
         try:
             t = self._agent.get_xfer_telemetry(x.handle)
@@ -459,6 +503,13 @@ class Transport:
         """Release (cancelling if active). False when NIXL cannot cancel: the DMA may still run."""
         self._check_owner()
         if x.released:
+            return True
+        if isinstance(x, NativeXfer):  # the hand-off releases its own requests (NIXL cancels what it can)
+            if self.poll(x) == "PROC":
+                self.handoff.cancel(x.key)
+                if self.poll(x) == "PROC":
+                    return False
+            x.released = True
             return True
         try:
             x.handle.release()
@@ -508,6 +559,8 @@ class Transport:
         return times[len(times) // 2]
 
     def close(self) -> None:
+        if self.handoff is not None:  # its thread stops (releasing what it posted) before the agent goes
+            self.handoff.close()
         for name in list(self.peers):
             try:
                 self.forget_peer(name)

@@ -128,6 +128,36 @@ def test_a_load_that_waits_lands_when_the_item_is_published(make_peer, make_cons
     assert time.monotonic() - t_pub < 4.0, "landed at the end of its wait, not at the publish"
     check(out, [SPEC], device)
     tickets[0].release()
+    if mode == "write":  # the publish itself started the WRITE, off the GIL, where the library is built
+        from ec_nixl.handoff import load_library
+
+        native = prod.call("stats")["counters"].get("native_pushes", 0)
+        assert native == (1 if load_library()[0] is not None else 0), native
+
+
+def test_a_consumer_that_leaves_while_its_push_waits_is_never_written_to(make_peer, make_consumer, device):
+    """Its parked Push (armed for the native hand-off where the library is built) goes with its
+    session: the publish afterwards starts no WRITE, and the item is not kept as pushed."""
+    prod = make_peer(ProducerProcess)
+    gone = make_consumer(threaded=True, mode="write", name="leaving-consumer")
+    gone.load([ItemRef(desc=_expected(SPEC), producer=prod.address)], timeout=20.0, wait_s=8.0)
+    _wait_parked(prod, 1, what="pushes_parked")
+    st = prod.call("stats")
+    from ec_nixl.handoff import load_library
+
+    if load_library()[0] is not None:
+        assert st["native_handoff"] == "on" and st["native_armed"] == 1, st
+    gone.close()
+    assert wait_until(lambda: prod.call("stats").get("sessions", 0) == 0, 20.0), "the session was never reclaimed"
+    assert prod.call("stats").get("native_armed", 0) == 0
+    prod.call("publish", [SPEC])
+    time.sleep(0.2)
+    st = prod.call("stats")
+    assert st["counters"].get("native_pushes", 0) == 0, st
+    assert st["holding"][SPEC[0]]["pushes"] == 0, st
+    cons = make_consumer(threaded=True, mode="write")  # others are served as before
+    check(LoadBarrier(cons).wait(cons.load([ItemRef(desc=_expected(SPEC), producer=prod.address)], timeout=20.0),
+                                 timeout=15.0), [SPEC], device)
 
 
 def test_a_waiting_push_for_an_item_never_published_fails_missing_after_its_wait(make_peer, make_consumer,

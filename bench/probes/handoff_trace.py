@@ -35,7 +35,7 @@ the GIL); ``--no-progress-thread`` runs the producer's agent without NIXL's prog
 
     python bench/probes/handoff_trace.py [--device cpu|cuda] [--size 64K] [--n 60] [--quiet-ms MS] [--touch] [--busy]
                                          [--write [--marks]] [--no-progress-thread] [--hot-loop]
-                                         [--spin-ms MS] [--gil-switch-ms MS]
+                                         [--spin-ms MS] [--gil-switch-ms MS] [--python-push]
 """
 
 from __future__ import annotations
@@ -219,6 +219,10 @@ def main() -> None:
     ap.add_argument("--gil-switch-ms", type=float, default=None,
                     help="the producer's gil_switch_interval_s in ms (0: leave the interpreter's 5 ms; default: "
                          "EndpointConfig's)")
+    ap.add_argument("--python-push", action="store_true",
+                    help="the producer posts parked pushes' WRITEs from its I/O thread in Python (native_handoff "
+                         "off), as before issue 40; default: the publish starts them off the GIL where the "
+                         "library is built")
     ap.add_argument("--no-progress-thread", action="store_true",
                     help="the producer's NIXL agent runs without its progress thread (its loop drives UCX)")
     ap.add_argument("--hot-loop", action="store_true",
@@ -241,8 +245,9 @@ def main() -> None:
     proc = ctx.Process(target=producer, args=(there, args.device, nbytes, shape, dtype, args.quiet_ms / 1e3,
                                               args.write, args.marks,
                                               False if args.no_progress_thread else None, args.spin_ms / 1e3,
-                                              None if args.gil_switch_ms is None else
-                                              {"gil_switch_interval_s": args.gil_switch_ms / 1e3 or None},
+                                              ({} if args.gil_switch_ms is None else
+                                               {"gil_switch_interval_s": args.gil_switch_ms / 1e3 or None})
+                                              | ({"native_handoff": False} if args.python_push else {}),
                                               args.hot_loop), daemon=True)
     proc.start()
     addr = here.recv()
