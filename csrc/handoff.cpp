@@ -30,20 +30,13 @@
 #include <cstring>
 #include <new>
 
-typedef int (*make_fn)(void *agent, int op, void *local, const int *li, size_t nl, void *remote,
-                       const int *ri, size_t nr, void **req, void *opt);
-typedef int (*post_fn)(void *agent, void *req, void *opt);
-typedef int (*status_fn)(void *agent, void *req);
-typedef int (*release_fn)(void *agent, void *req);
-typedef int (*destroy_fn)(void *req);
+#include "nixl_capi_fns.h"
+
 typedef int (*opt_new_fn)(void **opt);
 typedef int (*opt_free_fn)(void *opt);
 typedef int (*opt_flag_fn)(void *opt, bool on);
-typedef int (*opt_msg_fn)(void *opt, const void *data, size_t len);
-typedef int (*ev_query_fn)(void *event);  // cuEventQuery: 0 done, 600 not ready, else an error
-typedef int (*ctx_set_fn)(void *ctx);    // cuCtxSetCurrent
 
-enum { CAPI_SUCCESS = 0, CAPI_IN_PROG = 1, CU_NOT_READY = 600, OP_WRITE = 1 };
+enum { CU_NOT_READY = 600, OP_WRITE = 1 };
 enum { FN_MAKE, FN_POST, FN_STATUS, FN_RELEASE, FN_DESTROY, FN_OPT_NEW, FN_OPT_FREE, FN_OPT_NOTIF,
        FN_OPT_MSG, FN_EV_QUERY, FN_CTX_SET, FN_COUNT };
 

@@ -6,14 +6,9 @@
 #include <stdint.h>
 #include <time.h>
 
-typedef int (*make_fn)(void *agent, int op, void *local, const int *li, size_t nl, void *remote,
-                       const int *ri, size_t nr, void **req, void *opt);
-typedef int (*post_fn)(void *agent, void *req, void *opt);
-typedef int (*status_fn)(void *agent, void *req);
-typedef int (*release_fn)(void *agent, void *req);
-typedef int (*destroy_fn)(void *req);
+#include "../../csrc/nixl_capi_fns.h"
 
-enum { CAPI_SUCCESS = 0, CAPI_IN_PROG = 1 };
+
 
 static double now_us(void) {
   struct timespec t;

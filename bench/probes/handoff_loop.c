@@ -18,17 +18,10 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef int (*make_fn)(void *agent, int op, void *local, const int *li, size_t nl, void *remote,
-                       const int *ri, size_t nr, void **req, void *opt);
-typedef int (*post_fn)(void *agent, void *req, void *opt);
-typedef int (*status_fn)(void *agent, void *req);
-typedef int (*release_fn)(void *agent, void *req);
-typedef int (*destroy_fn)(void *req);
-typedef int (*set_msg_fn)(void *opt, const void *data, size_t len);
-typedef int (*ev_query_fn)(void *event);  // cuEventQuery: 0 done, 600 not ready
-typedef int (*ctx_set_fn)(void *ctx);    // cuCtxSetCurrent
+#include "../../csrc/nixl_capi_fns.h"
 
-enum { CAPI_SUCCESS = 0, CAPI_IN_PROG = 1, CU_NOT_READY = 600, WRITE = 1 };
+
+enum { CU_NOT_READY = 600, WRITE = 1 };
 
 typedef struct {
   void *fns[6];  // make, post, status, release, destroy, set_notif_msg
@@ -84,7 +77,7 @@ static void *run(void *arg) {
   status_fn status = (status_fn)l->fns[2];
   release_fn release = (release_fn)l->fns[3];
   destroy_fn destroy = (destroy_fn)l->fns[4];
-  set_msg_fn set_msg = (set_msg_fn)l->fns[5];
+  opt_msg_fn set_msg = (opt_msg_fn)l->fns[5];
   if (l->ctx_set && l->ctx) l->ctx_set(l->ctx);
   uint32_t last = 0;
   for (;;) {
