@@ -89,8 +89,11 @@ class Pusher:
             s = self._session(sid)
             notif = P.encode_notif(P.NOTIF_WRITE_DONE, sid, [it.desc.mm_hash for it, _ in batch], reader)
             try:
-                x = self.transport.post_many("WRITE", s.peer, [(it.slot.block, p.block, it.slot.nblocks)
-                                                               for it, p in batch], notif)
+                # The item's blocks, as the consumer sized its slot: a slot reserved larger than
+                # the item (reserve + publish_slot) would overrun the consumer's slot if written whole.
+                bs = self.transport.block_size
+                ranges = [(it.slot.block, p.block, P.blocks_for(it.desc.nbytes, bs)) for it, p in batch]
+                x = self.transport.post_many("WRITE", s.peer, ranges, notif)
             except TransferFailed as e:
                 for it, p in batch:
                     self._failed(s, it, p, str(e))

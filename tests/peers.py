@@ -174,6 +174,18 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
 
                 threading.Thread(target=later, daemon=True).start()
                 conn.send(("ok", desc))
+            elif cmd == "publish_in_larger_slot":
+                # Zero-copy publish into a reserved slot `extra` bytes larger than the item (a
+                # producer that reserves for the largest output it may write): only the item's
+                # blocks are the consumer's business.
+                mm_hash, shape, dtype, seed, extra = args
+                t = make_item(seed, shape, dtype, dev)
+                slot = ep.reserve(t.numel() * t.element_size() + extra, tag=mm_hash)
+                slot.bytes().fill_(0x3C)
+                slot.bytes()[: t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
+                if dev.startswith("cuda"):
+                    torch.cuda.synchronize()
+                conn.send(("ok", ep.publish_slot(mm_hash, slot, t.shape, t.dtype)))
             elif cmd == "publish_behind_kernel":
                 # GPU: the item is written by a kernel queued behind `cycles` of busy stream
                 # (torch.cuda._sleep) and published at once; publish() guards it with a CUDA event,

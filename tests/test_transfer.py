@@ -57,6 +57,22 @@ def test_round_trip_dtypes_and_sizes(make_producer, make_consumer, device, mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_an_item_in_a_larger_reserved_slot_moves_only_its_own_blocks(make_producer, make_consumer, device, mode):
+    """A producer may publish into a slot it reserved larger than the item. Only the item's blocks
+    move: a WRITE of the whole slot would overrun the consumer's slot into whatever follows it."""
+    prod = make_producer()
+    cons = make_consumer(mode=mode)
+    spec = ("small-in-big", (32, 1024), "bfloat16", 7)  # one 64 KiB block, in a 4-block slot
+    desc = prod.call("publish_in_larger_slot", (*spec, 3 * 65536))
+    tickets = cons.load(refs_for(prod, [desc]))
+    check(LoadBarrier(cons).wait(tickets), [spec], device)
+    slot = tickets[0].slot
+    after = cons.pool.arena.bytes[(slot.block + slot.nblocks) * cons.pool.block_size:][: 3 * 65536]
+    assert bool((after == 0xAB).all()), "the transfer wrote past the consumer's slot"
+    tickets[0].release()
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_many_in_flight(make_producer, make_consumer, device, mode):
     prod = make_producer()
     cons = make_consumer(mode=mode)
