@@ -295,12 +295,34 @@ def test_handoff_trace_probe_runs():
 
 def test_handoff_trace_probe_traces_a_write_at_publish():
     """The same with --write (``expect-write``): a parked Push on a write-mode link, real NIXL
-    DRAM WRITEs started by the publish, the WRITE's post and its notification stamped; --marks
-    stamps the producer's steps from the parked Push to the post (here with the producer's NIXL
-    progress thread off, --no-progress-thread: its loop then drives UCX, which --hot-loop keeps
-    polling without ever blocking); "made" splits NIXL's make from its post."""
-    r = _probe("handoff_trace.py", "--size", "64K", "--n", "6", "--write", "--marks", "--no-progress-thread",
-               "--hot-loop")
+    DRAM WRITEs started by the publish, the WRITE's notification stamped (by default the publish
+    starts it through the native hand-off, where the library is built)."""
+    r = _probe("handoff_trace.py", "--size", "64K", "--n", "6", "--write")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "64K write: 6 hand-offs" in r.stdout and "consumer saw WRITE done" in r.stdout, r.stdout[-2000:]
+
+
+def test_handoff_floor_probe_runs():
+    """bench/probes/handoff_floor.py (the floors of the hand-off's designs) keeps working: a
+    consumer process, an agent process and this one's Python thread and native loop, real NIXL
+    DRAM WRITEs, the consumer's slots checked after every case (the native cases where a C
+    compiler builds the loop)."""
+    r = _probe("handoff_floor.py", "--size", "64K", "--n", "5", "--rounds", "1", "--spin-ms", "0.5",
+               "--consumer-poll-us", "50", "--cases", "py-thread,native-sleep,agent-sleep")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for case in ("py-thread idle", "agent-sleep busy"):
+        assert case in r.stdout, r.stdout[-2000:]
+    assert "native-sleep busy" in r.stdout or "native-spin, native-sleep: SKIP" in r.stdout, r.stdout[-2000:]
+
+
+def test_handoff_trace_probe_traces_the_python_push_path():
+    """--python-push: the WRITE posted by the producer's I/O thread in Python (native_handoff
+    off), its post stamped; --marks stamps the producer's steps from the parked Push to the post
+    (here with the producer's NIXL progress thread off, --no-progress-thread: its loop then drives
+    UCX, which --hot-loop keeps polling without ever blocking); "made" splits NIXL's make from its
+    post."""
+    r = _probe("handoff_trace.py", "--size", "64K", "--n", "6", "--write", "--python-push", "--marks",
+               "--no-progress-thread", "--hot-loop")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "64K write: 6 hand-offs" in r.stdout, r.stdout[-2000:]
     assert "WRITE posted" in r.stdout and "consumer saw WRITE done" in r.stdout, r.stdout[-2000:]

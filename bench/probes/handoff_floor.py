@@ -61,6 +61,7 @@ SLOTS = 8
 TIMEOUT_S = 30.0
 CASES = ("py-thread", "native-spin", "native-sleep", "agent-spin", "agent-sleep")
 DEFAULT_SWITCH_S = 0.005  # CPython's
+PENDING = -99999  # a native operation's result before its end
 
 
 def mono() -> float:
@@ -431,6 +432,7 @@ def main() -> None:
                 state["seq"] = s
                 wake_py.set()
             elif design == "native":
+                n_res[s % cap] = PENDING
                 t_pub = pub.publish(pub.pool, k, pub.event)
                 native.handoff_loop_publish(loops[case], s)
             else:
@@ -448,6 +450,11 @@ def main() -> None:
             native.handoff_loop_arm(loops[case], 0)
         if design == "agent":
             stamps = {r[0]: r[1:] for r in g_conn.recv()}
+        # The consumer may see the last notification before the hand-off has seen its DONE.
+        deadline = mono() + TIMEOUT_S
+        while mono() < deadline and any(pub.stamps[s][4] == "?" if design == "py" else n_res[s % cap] == PENDING
+                                        for s in seen if design != "agent"):
+            time.sleep(0.001)
         rows = []
         for s, (t_pub, t_seen) in seen.items():
             if design == "py":
