@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
-
-logger = logging.getLogger("ec_nixl")
 
 VP, SZ = ctypes.c_void_p, ctypes.c_size_t
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -164,7 +161,7 @@ class NativeHandoff:
                 return None, f"the CUDA driver API is not reachable ({e})"
         else:
             fns += [None, None]
-        if poll_spin_us is None:
+        if poll_spin_us is None:  # pusher.PUSH_SPIN_S's rule (importing it would close an import circle)
             poll_spin_us = (0.0005 if len(os.sched_getaffinity(0)) >= 4 else 0.0) * 1e6
         h = lib.hx_start((VP * 11)(*fns), ctypes.cast(agent_box, VP), ctx if cuda else None, float(spin_us),
                          float(poll_spin_us), CAPACITY)

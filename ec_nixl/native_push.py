@@ -16,7 +16,6 @@ but one CUDA event, a table full, an item whose size is not the one the consumer
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -28,8 +27,6 @@ from ec_nixl.handoff import NativeHandoff
 from ec_nixl.published import Item, Push
 from ec_nixl.states import PushState
 from ec_nixl.transport import NativeXfer
-
-logger = logging.getLogger("ec_nixl")
 
 
 @dataclass
@@ -143,7 +140,7 @@ class NativePushes:
             armed = self._armed.pop(item.desc.mm_hash, None)
         if not armed:
             return []
-        can, event = cuda_event_of(item.ready)
+        can, _ = cuda_event_of(item.ready)
         pushes = []
         for a in armed:
             if not can or a.nbytes != item.desc.nbytes:

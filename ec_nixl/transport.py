@@ -474,16 +474,15 @@ class Transport:
         check = self._status
         out = []
         for x in xfers:
-            if x.state == "PROC" and not x.released and isinstance(x, NativeXfer):
-                x.state = _NATIVE_STATES.get(self.handoff.take(x.key).state, "ERR")
-                if x.state == "PROC":
-                    continue
-            elif x.state == "PROC" and not x.released:
-                try:
-                    x.state = check(x.handle)
-                except Exception as e:
-                    logger.warning("check_xfer_state(%s) raised %s", x.peer, e)
-                    x.state = "ERR"
+            if x.state == "PROC" and not x.released:
+                if isinstance(x, NativeXfer):  # the hand-off's: its outcome, by key
+                    x.state = _NATIVE_STATES.get(self.handoff.take(x.key).state, "ERR")
+                else:
+                    try:
+                        x.state = check(x.handle)
+                    except Exception as e:
+                        logger.warning("check_xfer_state(%s) raised %s", x.peer, e)
+                        x.state = "ERR"
                 if x.state == "PROC":
                     continue
             out.append(x)

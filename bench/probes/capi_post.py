@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
 import json
 import multiprocessing as mp
 import os
@@ -58,13 +57,11 @@ def capi_library() -> ctypes.CDLL:
     """The C API of the nixl wheel that ``import nixl`` loads (same libnixl as its bindings)."""
     import nixl._api as api
 
-    pkg = api.__name__.split(".")[0]
-    site = os.path.dirname(os.path.dirname(api.__file__))
-    hits = glob.glob(os.path.join(site, f".{pkg}.mesonpy.libs", "libnixl_capi.so")) + \
-        glob.glob(os.path.join(site, f"{pkg}.libs", "libnixl_capi*.so*"))
-    if not hits:
-        raise FileNotFoundError(f"no libnixl_capi.so beside {pkg}")
-    lib = ctypes.CDLL(hits[0])
+    from ec_nixl.handoff import capi_library as find_capi  # the product's look-up (same wheel, same lib)
+
+    lib, why = find_capi(api)
+    if lib is None:
+        raise FileNotFoundError(why)
     sigs = {
         "nixl_capi_create_configured_agent": [ctypes.c_char_p, ctypes.POINTER(AgentConfig), ctypes.POINTER(VP)],
         "nixl_capi_get_plugin_params": [VP, ctypes.c_char_p, ctypes.POINTER(VP), ctypes.POINTER(VP)],

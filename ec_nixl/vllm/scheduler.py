@@ -37,10 +37,9 @@ until they are published, so the request's own preprocessing overlapped the enco
 
 What the scheduler records of each request, and what it decides at first sight (remote, local,
 failed), is ``admission``. Producer: ``request_finished`` announces each encoded item
-(``announce.Announcer``). What a
-consumer's scheduler knows of each producer (Holds in flight, failures, link probes) is
-``producers.ProducerView``; what an item of this model is (shape, media) is
-``features.FeatureFacts``.
+(``announce.Announcer``). What a consumer's scheduler knows of each producer (Holds in flight,
+failures, link probes) is ``producers.ProducerView``; what an item of this model is (shape,
+media) is ``features.FeatureFacts``.
 """
 
 from __future__ import annotations
