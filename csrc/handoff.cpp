@@ -11,6 +11,10 @@
 // end. The owner *takes* the outcome whenever it runs: every decision about what a failure means
 // stays in Python, which this file never calls.
 //
+// The same thread sends the Grant of a parked Hold or Get the publish answered (native_answers.py):
+// the publisher encodes it, this thread waits for the item's copy and sends it from a ZMQ ROUTER
+// socket (pyzmq's libzmq, its zmq_send given as an address) that no Python thread touches.
+//
 // It drives the endpoint's own NIXL agent through the nixl wheel's C API (libnixl_capi.so): the
 // caller gives the entry points as addresses and the agent and prepped lists as the C API's
 // one-pointer handles, so this file needs no NIXL header and links nothing but pthreads. The agent
@@ -27,6 +31,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cerrno>
 #include <cstring>
 #include <new>
 
@@ -35,8 +40,10 @@
 typedef int (*opt_new_fn)(void **opt);
 typedef int (*opt_free_fn)(void *opt);
 typedef int (*opt_flag_fn)(void *opt, bool on);
+typedef int (*zmq_send_fn)(void *socket, const void *buf, size_t len, int flags);
 
-enum { CU_NOT_READY = 600, OP_WRITE = 1 };
+enum { CU_NOT_READY = 600, OP_WRITE = 1, ZMQ_DONTWAIT_ = 1, ZMQ_SNDMORE_ = 2 };
+enum { K_WRITE = 0, K_SEND = 1 };  // an entry's kind: a WRITE to post, or an answer to send
 enum { FN_MAKE, FN_POST, FN_STATUS, FN_RELEASE, FN_DESTROY, FN_OPT_NEW, FN_OPT_FREE, FN_OPT_NOTIF,
        FN_OPT_MSG, FN_EV_QUERY, FN_CTX_SET, FN_COUNT };
 
@@ -44,7 +51,7 @@ enum { FN_MAKE, FN_POST, FN_STATUS, FN_RELEASE, FN_DESTROY, FN_OPT_NEW, FN_OPT_F
 enum { E_FREE = 0, E_ARMED = 1, E_FIRED = 2, E_POSTED = 3, E_DONE = 4, E_FAILED = 5, E_CANCELLED = 6,
        E_STARTING = 7 };  // (STARTING: the thread makes and posts it now; reads as FIRED to the owner)
 // A failed entry's `status`: NIXL's (negative), or one of these.
-enum { ERR_EVENT = -1000, ERR_NOMEM = -1001 };
+enum { ERR_EVENT = -1000, ERR_NOMEM = -1001, ERR_NOSOCK = -1002, ERR_SEND = -2000 };  // ERR_SEND - errno
 
 #define NOTIF_MAX 1024
 
@@ -54,6 +61,9 @@ typedef struct {
   void *remote, *local, *event, *req;
   int32_t remote_block, capacity, local_block, nblocks;
   double t_fired, t_posted, t_done;
+  int kind;
+  char *payload;  // K_SEND: the routing id, then the message (freed once sent or cancelled)
+  size_t id_len, body_len;
   size_t notif_len;
   char notif[NOTIF_MAX];
 } entry;
@@ -67,6 +77,9 @@ struct hx {
   int cap;
   entry *e;
   pthread_mutex_t mu;
+  pthread_mutex_t zmu;  // around the answer socket: a send, or the owner taking the socket away
+  zmq_send_fn zsend;
+  void *zsock;
   std::atomic<uint32_t> work{0};      // bumped by every fire/cancel/stop: the thread's futex word
   std::atomic<uint32_t> sleeping{0};  // the thread is (about to be) in futex_wait
   std::atomic<int> stop{0};
@@ -97,6 +110,24 @@ static entry *find(hx *h, int64_t key) {
   return NULL;
 }
 
+// Send a K_SEND entry's message to its routing id, never blocking (a peer not connected, or one
+// whose queue is full, fails it: the owner answers from Python then).
+static int send_answer(hx *h, entry *x) {
+  int st = 0;
+  pthread_mutex_lock(&h->zmu);
+  if (!h->zsend || !h->zsock) {
+    st = ERR_NOSOCK;
+  } else if (h->zsend(h->zsock, x->payload, x->id_len, ZMQ_SNDMORE_ | ZMQ_DONTWAIT_) < 0 ||
+             h->zsend(h->zsock, x->payload + x->id_len, x->body_len, ZMQ_DONTWAIT_) < 0) {
+    st = ERR_SEND - errno;
+  }
+  pthread_mutex_unlock(&h->zmu);
+  x->t_posted = now_s();
+  free(x->payload);
+  x->payload = NULL;
+  return st;
+}
+
 // Make and post one fired entry (the lock is not held: make and post may take tens of us).
 static void start(hx *h, entry *x) {
   int n = x->nblocks, st;
@@ -104,8 +135,14 @@ static void start(hx *h, entry *x) {
     while ((st = ((ev_query_fn)h->fn[FN_EV_QUERY])(x->event)) == CU_NOT_READY) relax();
     if (st != 0) {
       x->status = ERR_EVENT - st;
+      free(x->payload);
+      x->payload = NULL;
       return;
     }
+  }
+  if (x->kind == K_SEND) {
+    x->status = send_answer(h, x);
+    return;
   }
   int stack_idx[2 * 64];
   int *li = n <= 64 ? stack_idx : static_cast<int *>(malloc(2 * sizeof(int) * (size_t)n));
@@ -142,6 +179,8 @@ static int pass(hx *h) {
     int state = x->state;
     if (state == E_FIRED && x->cancel) {  // cancelled before it was posted: it never writes
       x->state = state = E_CANCELLED, x->t_done = now_s();
+      free(x->payload);
+      x->payload = NULL;
     } else if (state == E_FIRED) {
       x->state = E_STARTING;
     }
@@ -246,6 +285,7 @@ hx *hx_start(void *const fns[FN_COUNT], void *agent, void *ctx, double spin_us, 
     return NULL;
   }
   pthread_mutex_init(&h->mu, NULL);
+  pthread_mutex_init(&h->zmu, NULL);
   if (pthread_create(&h->thread, NULL, run, h) != 0) {
     ((opt_free_fn)h->fn[FN_OPT_FREE])(h->opt);
     free(h->e);
@@ -301,6 +341,47 @@ int hx_fire(hx *h, int64_t key, void *local, int32_t local_block, int32_t nblock
   }
   pthread_mutex_unlock(&h->mu);
   if (rc == 1) wake(h);
+  return rc;
+}
+
+// Owner: the ROUTER socket answers go out on, and pyzmq's zmq_send (NULL, NULL: none; returns
+// once no send is using the previous one, so the caller may close it). The socket is this
+// thread's alone from now on: no Python thread may use it until it is taken away.
+void hx_answer_socket(hx *h, void *zsend, void *zsock) {
+  pthread_mutex_lock(&h->zmu);
+  h->zsend = (zmq_send_fn)zsend, h->zsock = zsock;
+  pthread_mutex_unlock(&h->zmu);
+}
+
+// Publisher: send `body` to the peer routed as `id` on the answer socket once `event` is
+// complete (NULL: now). 1 if queued; -1 (the table is full), -3 (the key is in use), -4 (no
+// answer socket), -5 (no memory). The outcome is read with hx_take (DONE: sent).
+int hx_send(hx *h, int64_t key, void *event, const char *id, size_t id_len, const char *body, size_t body_len) {
+  if (!h->zsock) return -4;
+  char *p = static_cast<char *>(malloc(id_len + body_len ? id_len + body_len : 1));
+  if (!p) return -5;
+  memcpy(p, id, id_len);
+  memcpy(p + id_len, body, body_len);
+  int rc = -1;
+  pthread_mutex_lock(&h->mu);
+  if (find(h, key)) {
+    rc = -3;
+  } else {
+    for (int i = 0; i < h->cap; i++) {
+      entry *x = &h->e[i];
+      if (x->state != E_FREE) continue;
+      memset(x, 0, offsetof(entry, notif));
+      x->key = key, x->kind = K_SEND, x->payload = p, x->id_len = id_len, x->body_len = body_len;
+      x->event = event, x->state = E_FIRED, x->t_fired = now_s();
+      rc = 1;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&h->mu);
+  if (rc == 1)
+    wake(h);
+  else
+    free(p);
   return rc;
 }
 
@@ -394,9 +475,11 @@ void hx_stop(hx *h) {
       ((release_fn)h->fn[FN_RELEASE])(h->agent, x->req);
       ((destroy_fn)h->fn[FN_DESTROY])(x->req);
     }
+    free(x->payload);
   }
   ((opt_free_fn)h->fn[FN_OPT_FREE])(h->opt);
   pthread_mutex_destroy(&h->mu);
+  pthread_mutex_destroy(&h->zmu);
   free(h->e);
   delete h;
 }

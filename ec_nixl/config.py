@@ -63,7 +63,12 @@ class EndpointConfig:
     csrc/handoff.cpp): the runner going on in Python after its encoder step no longer delays it.
     It needs the library built (setup.py) and the nixl wheel's C API; without them, or False,
     pushes are posted by the endpoint's I/O thread in Python. Its thread sleeps when no WRITE
-    is in flight. The agent then locks around its calls (NIXL_THREAD_SYNC_STRICT)."""
+    is in flight. The agent then locks around its calls (NIXL_THREAD_SYNC_STRICT). The same
+    thread sends the Grant of a parked Hold or Get when the publish completes it, from a second
+    listening socket (``answer_port``; ec_nixl/native_answers.py)."""
+    answer_port: int = 0
+    """Port of that second socket, on the ``listen`` host (0: any free port). Consumers connect to
+    it by themselves; one that cannot reach it is answered on its link, from Python."""
     load_timeout_s: float = 5.0
     """Longest a load may take from request to landed before it fails."""
     announce_lease_s: float = 60.0
@@ -135,6 +140,8 @@ class EndpointConfig:
             raise ConfigError(f"nixl_progress_wait_s must be >= 0, got {self.nixl_progress_wait_s}")
         if self.gil_switch_interval_s is not None and not 0 < self.gil_switch_interval_s <= 1:
             raise ConfigError(f"gil_switch_interval_s must be in (0, 1] s or None, got {self.gil_switch_interval_s}")
+        if not 0 <= self.answer_port < 65536:
+            raise ConfigError(f"answer_port must be in 0..65535 (0: any free port), got {self.answer_port}")
         if self.quarantine_s < 0:
             raise ConfigError(f"quarantine_s must be >= 0, got {self.quarantine_s}")
         if self.reserve_wait_s < 0:

@@ -263,6 +263,8 @@ class Endpoint:
             snap["native_handoff"] = self.transport.handoff_why  # "on", or why pushes are posted in Python
         if self.items is not None and self.items.native is not None:
             snap["native_armed"] = self.items.native.armed()  # parked pushes whose publish will start them
+        if self.items is not None and self.items.answers is not None:
+            snap["native_noted"] = len(self.items.answers)  # parked Holds/Gets a publish may answer
         return snap
 
     # --- shutdown --------------------------------------------------------------------

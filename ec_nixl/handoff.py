@@ -7,6 +7,8 @@ per-item work in C: the owner (the endpoint's I/O thread) *arms* an entry when a
 an item not published yet; the publishing thread *fires* it from the publish itself; the
 library's thread waits for the item's copy (its CUDA event), makes, posts and polls the WRITE;
 the owner *takes* the outcome when it next runs. What a failure means is decided in Python only.
+The same thread sends the Grants the publish itself answers (``native_answers``) from a ZMQ
+socket no Python thread touches (``answer_on``).
 
 The library drives the endpoint's own NIXL agent through the nixl wheel's C API
 (``libnixl_capi.so``): no second agent, no second registration. The bindings' agent object
@@ -64,7 +66,9 @@ def load_library() -> tuple[Optional[ctypes.PyDLL], str]:
             "hx_cancel": ([VP, i64], ctypes.c_int),
             "hx_quiesce": ([VP, VP, ctypes.c_double], ctypes.c_int),
             "hx_count": ([VP], ctypes.c_int),
-            "hx_stop": ([VP], None)}
+            "hx_stop": ([VP], None),
+            "hx_answer_socket": ([VP, VP, VP], None),
+            "hx_send": ([VP, i64, VP, ctypes.c_char_p, SZ, ctypes.c_char_p, SZ], ctypes.c_int)}
     for name, (args, res) in sigs.items():
         try:
             fn = getattr(lib, name)
@@ -90,6 +94,36 @@ def capi_library(api_module) -> tuple[Optional[ctypes.CDLL], str]:
     if missing:
         return None, f"{hits[0]} lacks {', '.join(missing)}"
     return capi, ""
+
+
+def zmq_send_address() -> tuple[Optional[int], str]:
+    """(the address of ``zmq_send`` in the libzmq pyzmq uses, '') or (None, why not). The very
+    library pyzmq loaded (found in this process's mappings; a pyzmq with libzmq built in exports
+    it itself): a socket of one libzmq must never be driven by another."""
+    import zmq
+    from zmq.backend.cython import _zmq
+
+    paths = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                path = parts[5] if len(parts) >= 6 else ""
+                if "libzmq" in os.path.basename(path) and path not in paths:
+                    paths.append(path)
+    except OSError as e:
+        return None, f"cannot read this process's mappings ({e})"
+    for path in paths + [_zmq.__file__]:
+        try:
+            lib = ctypes.CDLL(path)
+            ver = [ctypes.c_int(), ctypes.c_int(), ctypes.c_int()]
+            lib.zmq_version(*[ctypes.byref(v) for v in ver])
+            if tuple(v.value for v in ver) != zmq.zmq_version_info():
+                continue
+            return ctypes.cast(lib.zmq_send, VP).value, ""
+        except (OSError, AttributeError):
+            continue
+    return None, "pyzmq's libzmq exports no zmq_send this process can reach"
 
 
 def _value_pointer(obj) -> int:
@@ -210,6 +244,30 @@ class NativeHandoff:
         return self._lib.hx_fire(self._h, key, ctypes.cast(self._box(local), VP), local_block, nblocks,
                                  cuda_event or None) == 1
 
+    def answer_on(self, sock) -> str:
+        """Answers (``send``) go out on the ROUTER socket ``sock`` from now on; it is the thread's
+        alone until ``answer_off``. '' or why not."""
+        if self._h is None:
+            return "the hand-off is closed"
+        zsend, why = zmq_send_address()
+        if zsend is None:
+            return why
+        self._lib.hx_answer_socket(self._h, VP(zsend), VP(sock.underlying))
+        return ""
+
+    def answer_off(self) -> None:
+        """Take the answer socket back (returns once no send uses it): the caller may close it."""
+        if self._h is not None:
+            self._lib.hx_answer_socket(self._h, None, None)
+
+    def send(self, key: int, cuda_event: Optional[int], identity: bytes, body: bytes) -> bool:
+        """Publisher: send ``body`` to the peer routed as ``identity`` on the answer socket once
+        ``cuda_event`` (a raw ``CUevent``; None: now) is complete. True if queued; ``take``
+        says whether it went (DONE) or not (FAILED: no route, a full queue, no socket)."""
+        if self._h is None:
+            return False
+        return self._lib.hx_send(self._h, key, cuda_event or None, identity, len(identity), body, len(body)) == 1
+
     def take(self, key: int) -> Outcome:
         """Owner: where ``key`` stands; an armed entry is taken back (it never fires now), a
         finished one is forgotten."""
@@ -233,4 +291,5 @@ class NativeHandoff:
         agent goes."""
         if self._h is not None:
             h, self._h = self._h, None
+            self._lib.hx_answer_socket(h, None, None)
             self._lib.hx_stop(h)

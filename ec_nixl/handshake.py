@@ -107,12 +107,12 @@ def is_observer(msg: P.Hello) -> bool:
 
 
 def welcome(me: Identity, session: str, consumer_nonce: bytes, agent_md: Optional[bytes],
-            arena: Optional[P.ArenaInfo], link_timeout_s: float = 0.0) -> P.Welcome:
+            arena: Optional[P.ArenaInfo], link_timeout_s: float = 0.0, answers: str = "") -> P.Welcome:
     """Our signed answer to an accepted Hello (the HMAC covers the consumer's nonce)."""
     msg = P.Welcome(version=P.PROTOCOL_VERSION, compat=me.compat, name=me.name, incarnation=me.incarnation,
                     session=session, nonce=P.new_nonce(), agent_md=agent_md, arena=arena,
                     agent=me.agent if agent_md is not None else "", link_timeout_s=link_timeout_s,
-                    **P.md_fields(agent_md))
+                    answers=answers, **P.md_fields(agent_md))
     P.sign(msg, me.token, consumer_nonce)
     return msg
 

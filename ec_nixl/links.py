@@ -34,7 +34,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ec_nixl import handshake
 from ec_nixl import protocol as P
 from ec_nixl.config import EndpointConfig, split_address
-from ec_nixl.errors import ECNixlError, TransferFailed
+from ec_nixl.errors import ConfigError, ECNixlError, TransferFailed
 from ec_nixl.handshake import Identity
 from ec_nixl.loop import OwnerLoop
 from ec_nixl.metrics import Metrics
@@ -63,6 +63,16 @@ because the connection was not up yet does not wait for it: it goes out on the Z
 HELLO_RESEND_MAX_S = 2.0
 
 
+def _dealer(ctx: zmq.Context, identity: bytes) -> zmq.Socket:
+    """A socket of a link: no linger, our identity, bounded messages, quick reconnects."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    return sock
+
+
 class Link:
     """The consumer's connection to one producer address."""
 
@@ -70,6 +80,7 @@ class Link:
         self.address = address
         self.sock = sock
         self.monitor = monitor
+        self.answers: Optional[zmq.Socket] = None  # connected to the producer's answer socket, if it has one
         self.nonce = nonce
         self.state = LinkState.CONNECTING
         self.error = ""
@@ -94,6 +105,24 @@ class Link:
 
     def move(self, state: LinkState) -> None:
         self.state = advance(self.state, state, LINK_NEXT)
+
+    def listen_for_answers(self, ctx: zmq.Context, address: str) -> bool:
+        """Connect to the producer's answer socket under our identity: the Grants its publishes
+        send from there (``native_answers``) arrive as if on the link. Nothing is sent on it."""
+        try:
+            host, port = split_address(address)
+        except ConfigError as e:
+            logger.warning("producer %s offers a bad answer address (%s): its answers come on the link", self.address, e)
+            return False
+        self.answers = _dealer(ctx, self.sock.getsockopt(zmq.IDENTITY))
+        self.answers.connect(f"tcp://{host}:{port}")
+        return True
+
+    def close_sockets(self, loop: OwnerLoop) -> None:
+        if not self.sock.closed:
+            loop.close_socket(self.sock, self.monitor)
+        if self.answers is not None and not self.answers.closed:
+            loop.close_socket(self.answers)
 
     def __repr__(self) -> str:
         return f"Link({self.address!r}, {self.state}, {self.name or '?'})"
@@ -271,11 +300,7 @@ class Links:
             return link  # recently failed: do not hammer a dead address
         if link is not None:
             self._drop(link)
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, secrets.token_bytes(12))
-        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock = _dealer(self._ctx, secrets.token_bytes(12))  # (the answer socket takes the same identity)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         handshake.keep_alive(sock, self.cfg)  # a producer that stops answering is dropped, idle or not
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -285,7 +310,7 @@ class Links:
         logger.debug("connecting to producer %s", address)
         link = Link(address, sock, monitor, P.new_nonce())
         self._links[address] = link
-        self.loop.add_socket(sock, lambda: self._on_readable(link))
+        self.loop.add_socket(sock, lambda: self._on_readable(link, link.sock))
         self.loop.add_socket(monitor, lambda: self._on_monitor(link))
         self._send_hello(link)
         return link
@@ -347,7 +372,7 @@ class Links:
         # The link stays (callers fail fast) but its socket goes: ZMQ would keep reconnecting to a
         # dead address in the background (and on loopback may even connect to itself, taking the
         # port a restarting producer needs).
-        self._close_sockets(link)
+        link.close_sockets(self.loop)
 
     def lose(self, link: Link, error: str, resend: bool = False) -> None:
         """The producer went away: fail what waits on it (the listener quarantines what a DMA
@@ -395,16 +420,12 @@ class Links:
             del self._links[link.address]
         if self._by_session.get(link.session) is link:
             del self._by_session[link.session]
-        self._close_sockets(link)
+        link.close_sockets(self.loop)
         agent = link.peer.name if link.peer is not None else None
         if self.transport is not None and agent in self.transport.peers \
                 and not any(o.peer is not None and o.peer.name == agent for o in self._links.values()):
             self.transport.forget_peer(agent)
         self.listener.on_dropped(link)
-
-    def _close_sockets(self, link: Link) -> None:
-        if not link.sock.closed:
-            self.loop.close_socket(link.sock, link.monitor)
 
     # --- incoming --------------------------------------------------------------------
 
@@ -430,12 +451,12 @@ class Links:
                 return self.fail(link, f"producer {link.address} unreachable (connection refused or "
                                  f"no route)", "UNREACHABLE")
 
-    def _on_readable(self, link: Link) -> None:
+    def _on_readable(self, link: Link, sock: zmq.Socket) -> None:
         for _ in range(64):
-            if link.state in (LinkState.FAILED, LinkState.LOST):
+            if link.state in (LinkState.FAILED, LinkState.LOST) or sock.closed:
                 return
             try:
-                data = link.sock.recv(zmq.NOBLOCK)
+                data = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             link.last_heard = time.monotonic()
@@ -496,6 +517,8 @@ class Links:
             except Exception as e:
                 return self.fail(link, f"cannot add producer {link.address} as NIXL peer: {e}", "INCOMPAT")
             link.mode = choose_mode(self.cfg, self.transport, self.metrics, link)
+        if msg.answers and link.listen_for_answers(self._ctx, msg.answers):
+            self.loop.add_socket(link.answers, lambda: self._on_readable(link, link.answers))
         link.move(LinkState.READY)
         self._by_session[link.session] = link
         unsent, link.unsent = link.unsent, []

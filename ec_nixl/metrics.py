@@ -41,6 +41,7 @@ COUNTERS = (
     "holds_parked",  # producer: Holds and Gets that waited for items not published yet (wait_s)
     "pushes_parked",  # producer: Pushes that waited for items not published yet (Push.wait_s)
     "native_pushes",  # producer: of their items, WRITEs the publish started off the GIL (native_handoff)
+    "native_answers",  # producer: parked Holds and Gets the publish answered off the GIL (native_answers)
     "expected_items",  # consumer scheduler: items asked for before their encoder finished (ec_nixl_expect)
 )
 

@@ -22,7 +22,7 @@ import msgspec
 
 from ec_nixl.errors import IncompatiblePeer, ProtocolError
 
-PROTOCOL_VERSION = 3  # 3: Hello/Welcome carry agent, md_len, md_sha256
+PROTOCOL_VERSION = 4  # 3: Hello/Welcome carry agent, md_len, md_sha256; 4: Welcome carries answers
 
 # Largest item the protocol accepts at all (a pool cannot hold more than this anyway).
 MAX_ITEM_BYTES = 1 << 40
@@ -118,6 +118,7 @@ class Welcome(msgspec.Struct, tag="welcome"):
     md_len: int = 0
     md_sha256: bytes = b""
     link_timeout_s: float = 0.0  # how long this producer keeps a silent consumer's connection (0: not said)
+    answers: str = ""  # 'host:port' Grants may also come from: the consumer connects there with its identity
     mac: bytes = b""
 
 

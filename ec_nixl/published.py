@@ -166,6 +166,7 @@ class Published:
         self._lock = threading.Lock()
         self._items: dict[str, Item] = {}
         self.native = None  # native_push.NativePushes: parked pushes the publish starts (server sets it)
+        self.answers = None  # native_answers.NativeAnswers: parked Holds and Gets the publish answers
 
     def __len__(self) -> int:
         with self._lock:
@@ -335,10 +336,14 @@ class Published:
         with self._lock:
             item = self._items[desc.mm_hash] = Item(desc, slot, ready, self.cfg.announce_lease_s)
             fired = self.native.take_armed(item, self._claim, time.monotonic()) if self.native else None
+            answering = self.answers  # (read once: the server may let go of it at close)
+            answers = answering.take(item, self._grant) if answering else None
         self.metrics.count("published")
         if fired:  # parked pushes of this item: their WRITEs start now, off the GIL
             self.native.fire(item, fired)
             self.metrics.count("native_pushes", len(fired))
+        if answers:  # parked Holds and Gets it completes: their Grants go now, off the GIL
+            answering.send(answers)
 
     def _evictor(self) -> Optional[Callable[[int], int]]:
         return self._evict if self.cfg.evict_unclaimed else None
@@ -375,24 +380,29 @@ class Published:
     def grant(self, sid: str, group: str, mm_hashes: list[str], readers: int, reader: int,
               pin: bool) -> list[P.ItemState]:
         """Answer a Hold (``pin=False``: lease + where) or a Get (``pin=True``: a READ grant)."""
-        now = time.monotonic()
-        out = []
         with self._lock:
-            for h in mm_hashes:
-                item = self._items.get(h)
-                if item is None or item.withdrawn:
-                    out.append(self._missing(h))
-                    continue
-                self._claim(item, group, readers, now)
-                if not item.is_ready():
-                    out.append(P.ItemState(mm_hash=h, status=P.Nack.NOT_READY.value, detail="still being written"))
-                    continue
-                if pin:
-                    item.pins[(sid, reader)] = now + self.cfg.grant_lease_s
-                d = item.desc
-                item.promised = max(item.promised, item.expires_at)
-                out.append(P.ItemState(mm_hash=h, status="ready", block=item.slot.block, nbytes=d.nbytes,
-                                       shape=d.shape, dtype=d.dtype, lease_s=item.expires_at - now))
+            return self._grant(sid, group, mm_hashes, readers, reader, pin, time.monotonic())
+
+    def _grant(self, sid: str, group: str, mm_hashes: list[str], readers: int, reader: int, pin: bool,
+               now: float, fresh: Optional[Item] = None) -> list[P.ItemState]:
+        """``grant`` with the lock held. ``fresh``: the item being published, counted as ready (the
+        native answer is sent once its copy is complete: ``native_answers``)."""
+        out = []
+        for h in mm_hashes:
+            item = self._items.get(h)
+            if item is None or item.withdrawn:
+                out.append(self._missing(h))
+                continue
+            self._claim(item, group, readers, now)
+            if item is not fresh and not item.is_ready():
+                out.append(P.ItemState(mm_hash=h, status=P.Nack.NOT_READY.value, detail="still being written"))
+                continue
+            if pin:
+                item.pins[(sid, reader)] = now + self.cfg.grant_lease_s
+            d = item.desc
+            item.promised = max(item.promised, item.expires_at)
+            out.append(P.ItemState(mm_hash=h, status="ready", block=item.slot.block, nbytes=d.nbytes,
+                                   shape=d.shape, dtype=d.dtype, lease_s=item.expires_at - now))
         return out
 
     def claim_pushes(self, sid: str, group: str, arena: P.ArenaInfo,

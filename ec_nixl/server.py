@@ -44,6 +44,7 @@ from ec_nixl.errors import ConfigError, ECNixlError, ProtocolError
 from ec_nixl.handshake import Identity, Session
 from ec_nixl.loop import TICK_S, OwnerLoop
 from ec_nixl.metrics import Metrics
+from ec_nixl.native_answers import close_answer_socket, open_answer_socket
 from ec_nixl.published import Published
 from ec_nixl.pusher import Pusher
 from ec_nixl.transport import Transport
@@ -103,6 +104,9 @@ class Server:
             raise ConfigError(f"cannot listen on {cfg.listen}: {e}") from None
         self.address = cfg.advertise or f"{host}:{port}"
         self.port = port
+        # the socket the publish's native answers go out on (native_answers), and its 'host:port'
+        self._answer_sock, self.answers = open_answer_socket(ctx, host, cfg.answer_port, split_address(self.address)[0],
+                                                             published)
         self.on_cancel: Optional[Callable[[str], tuple[bool, str]]] = None
         """A consumer's answer to vLLM EPD's ``cancel`` (transfer id -> whether it was ours, detail)."""
         self.pusher = Pusher(published, transport, metrics, loop, self._sessions.get, self.reply) \
@@ -134,6 +138,9 @@ class Server:
 
     def close(self) -> None:
         self._loop.close_socket(self._sock, self._monitor)
+        if self._answer_sock is not None:
+            close_answer_socket(self._answer_sock, self.published)
+            self._answer_sock = None
 
     # --- requests --------------------------------------------------------------------
 
@@ -260,7 +267,8 @@ class Server:
         self._hello_nonces[msg.nonce] = (identity, sid)
         t = self.transport
         session.welcome = handshake.welcome(self.me, sid, msg.nonce, t.metadata if t else None,
-                                            t.arena_info if t else None, self.cfg.link_timeout_s)
+                                            t.arena_info if t else None, self.cfg.link_timeout_s,
+                                            self.answers)
         self.reply(identity, session.welcome)
 
     def _table(self) -> Published:
@@ -280,6 +288,9 @@ class Server:
         if wait > 0 and len(self._parked) < _MAX_PARKED and not _all_ready(items):
             self._parked.append((time.monotonic() + wait, identity, s.id, msg))
             self.metrics.count("holds_parked")
+            if self.published.answers is not None:  # the last missing item's publish answers it
+                missing = {st.mm_hash for st in items if st.status == P.Nack.MISSING.value}
+                self.published.answers.note(s.id, s.group, identity, msg, _readers(msg), missing)
             return
         self.reply(identity, P.Grant(req=msg.req, items=items))
 
@@ -291,10 +302,20 @@ class Server:
         if not self._parked:
             return
         now = time.monotonic() if now is None else now
+        answers = self.published.answers if self.published is not None else None
         keep = []
         for deadline, identity, sid, msg in self._parked:
             s = self._sessions.get(sid)
-            if s is None or s.identity != identity:
+            alive = s is not None and s.identity == identity
+            if answers is not None and not isinstance(msg, P.Push):
+                state = answers.settle(sid, msg.req, alive)
+                if state == "busy":  # the hand-off is sending its answer
+                    keep.append((deadline, identity, sid, msg))
+                    continue
+                if state == "sent":
+                    self.metrics.count("native_answers")
+                    continue
+            if not alive:
                 continue
             if isinstance(msg, P.Push):
                 rest = self._push(identity, s, msg, park=now < deadline)
@@ -302,8 +323,8 @@ class Server:
                     keep.append((deadline, identity, sid, rest))
                 continue
             items = self._grant(s, msg)
-            if now < deadline and not _all_ready(items):
-                keep.append((deadline, identity, sid, msg))
+            if (now < deadline and not _all_ready(items)) or (answers is not None and not answers.withdraw(sid, msg.req)):
+                keep.append((deadline, identity, sid, msg))  # (or a publish took it meanwhile)
                 continue
             self.reply(identity, P.Grant(req=msg.req, items=items))
         self._parked = keep
@@ -422,6 +443,8 @@ class Server:
         self._sessions.pop(s.id, None)
         if self.published is not None and self.published.native is not None:
             self.published.native.disarm(s.id)
+        if self.published is not None and self.published.answers is not None:
+            self.published.answers.forget_session(s.id)
         group_left = any(o.group == s.group for o in self._sessions.values())
         if self.published is not None:
             self.published.drop_session(s.id, s.group, group_left)

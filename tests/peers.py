@@ -16,6 +16,7 @@ internals" section), never here.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import multiprocessing as mp
 import os
@@ -238,6 +239,20 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                 helpers.run_on_owner(ep, stall)
                 started.wait(10)
                 conn.send(("ok", time.monotonic()))
+            elif cmd == "publish_and_hog":
+                # A vLLM runner: publish, then go on in Python for `hog` seconds (holding the GIL
+                # throughout). Answers (monotonic time the hog began, seconds it held the GIL).
+                # Nothing between the publish and the hog lets go of the GIL (the libc sleep is
+                # looked up first: loading a library would).
+                (mm_hash, shape, dtype, seed), hog = args
+                usleep = ctypes.PyDLL(None).usleep
+                t = make_item(seed, shape, dtype, dev)
+                if dev.startswith("cuda"):
+                    torch.cuda.synchronize()
+                ep.publish(mm_hash, t)
+                t_hog = time.monotonic()
+                usleep(int(float(hog) * 1e6))
+                conn.send(("ok", (t_hog, time.monotonic() - t_hog)))
             elif cmd == "hog_gil":
                 # FAULT INJECTION: a producer busy in Python (encoding) for `args` seconds: the
                 # answer comes after it, with the seconds it really held the GIL.
