@@ -42,6 +42,7 @@ COUNTERS = (
     "pushes_parked",  # producer: Pushes that waited for items not published yet (Push.wait_s)
     "native_pushes",  # producer: of their items, WRITEs the publish started off the GIL (native_handoff)
     "native_answers",  # producer: parked Holds and Gets the publish answered off the GIL (native_answers)
+    "native_answers_unsent",  # producer: of those, sends that could not go (answered from Python instead)
     "expected_items",  # consumer scheduler: items asked for before their encoder finished (ec_nixl_expect)
 )
 

@@ -81,7 +81,8 @@ class NativeAnswers:
     def settle(self, sid: str, req: int, alive: bool) -> str:
         """Where the parked request ``(sid, req)`` stands: 'none' (not noted, or back to the
         server now: answer it from Python, or drop it if its session is gone), 'waiting' (the
-        publish may still answer it), 'busy' (being sent; cancelled if not ``alive``) or 'sent'."""
+        publish may still answer it), 'busy' (being sent; cancelled if not ``alive``), 'sent', or
+        'unsent' (the hand-off could not send it: as 'none')."""
         with self._lock:
             n = self._noted.get((sid, req))
             if n is None:
@@ -100,7 +101,10 @@ class NativeAnswers:
             return "busy"
         with self._lock:
             self._forget(n)
-        return "sent" if out.state == "DONE" else "none"
+        if out.state != "DONE":
+            logger.debug("native answer to %s req %d not sent (%s, status %d): answered on the link",
+                         sid, req, out.state, out.status)
+        return "sent" if out.state == "DONE" else "unsent"
 
     def withdraw(self, sid: str, req: int) -> bool:
         """The server answers ``(sid, req)`` itself: True, unless the publish took it meanwhile."""

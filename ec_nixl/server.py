@@ -315,6 +315,8 @@ class Server:
                 if state == "sent":
                     self.metrics.count("native_answers")
                     continue
+                if state == "unsent":  # no route to the consumer's answer socket (yet), a full queue
+                    self.metrics.count("native_answers_unsent")
             if not alive:
                 continue
             if isinstance(msg, P.Push):

@@ -10,8 +10,9 @@ answer gave and its barrier returns. Both processes stamp their steps with ``per
     answer | load() returned | barrier returned
 
 The producer's steps are seen by wrapping its server's ``answer_parked`` and ``reply`` in this
-probe's own process (instrumentation, not a change of behaviour). "Grant sent" is stamped when the
-send returned: on a busy host the I/O thread may be preempted right after it, and the stamp then
+probe's own process (instrumentation, not a change of behaviour); where the publish answers it
+natively (``native_answers``), "Grant sent" is when the publish queued it on the hand-off's thread,
+and the loop's answer comes after (it only settles). "Grant sent" is stamped when the send returned: on a busy host the I/O thread may be preempted right after it, and the stamp then
 comes after the consumer already saw the answer. Not a benchmark of record:
 ``ec-nixl bench --paths expect-landed`` is; this says which hop to work on.
 
@@ -132,6 +133,15 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: 
         marks.setdefault("sent", time.perf_counter())
 
     srv.answer_parked, srv.reply = timed_answer, timed_reply
+    answers = ep.items.answers  # the publish answers the parked Hold natively: "sent" is its queueing
+    if answers is not None:
+        queue = answers.send
+
+        def timed_queue(out):
+            queue(out)
+            marks.setdefault("sent", time.perf_counter())
+
+        answers.send = timed_queue
     post = ep.transport.post_many
 
     def timed_post(op, *a, **k):  # --write: "sent" is the WRITE's post
