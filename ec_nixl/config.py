@@ -66,6 +66,9 @@ class EndpointConfig:
     is in flight. The agent then locks around its calls (NIXL_THREAD_SYNC_STRICT). The same
     thread sends the Grant of a parked Hold or Get when the publish completes it, from a second
     listening socket (``answer_port``; ec_nixl/native_answers.py)."""
+    native_answers: bool = True
+    """With ``native_handoff``: parked Holds and Gets are answered by the publish from the second
+    socket. False: no second socket; the I/O thread answers them in Python."""
     answer_port: int = 0
     """Port of that second socket, on the ``listen`` host (0: any free port). Consumers connect to
     it by themselves; one that cannot reach it is answered on its link, from Python."""

@@ -179,7 +179,7 @@ def open_answer_socket(ctx: zmq.Context, host: str, port: int, advertised_host: 
     """The producer's second ROUTER socket, the native hand-off's alone, and its 'host:port' (None,
     '' where the hand-off is off or the socket cannot be had): the Grants a publish answers go
     out on it. Consumers connect to it under their link's identity (``Welcome.answers``)."""
-    if published is None or published.native is None:
+    if published is None or published.native is None or not published.cfg.native_answers:
         return None, ""
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)

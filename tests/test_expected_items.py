@@ -130,6 +130,22 @@ def test_a_consumer_not_on_the_answer_socket_is_answered_from_python(make_peer, 
         assert prod.call("stats")["counters"].get("native_answers_unsent", 0) == 1, prod.call("stats")
 
 
+def test_native_answers_off_opens_no_second_socket_and_answers_from_python(make_peer, make_consumer, device):
+    """``native_answers=False``: the producer offers no answer socket (``Welcome.answers`` empty),
+    notes nothing, and its I/O thread answers the waiting Hold at the publish as before."""
+    prod = make_peer(ProducerProcess, native_answers=False)
+    cons = make_consumer(threaded=True)
+    hold = cons.hold_async(prod.address, [SPEC[0]], timeout=5.0, wait_s=8.0)
+    _wait_parked(prod, 1)
+    assert "native_noted" not in prod.call("stats")
+    assert all(link.answers is None for link in cons.links.all()), "a socket was offered anyway"
+    t_pub = time.monotonic()
+    prod.call("publish", [SPEC])
+    assert cons.wait_for(lambda: hold.done, 10)
+    assert hold.t_answered - t_pub < 4.0 and hold.states[SPEC[0]].status == "ready", hold.states
+    assert _native_answers(prod) == 0
+
+
 def test_a_waiting_hold_for_an_item_never_published_answers_missing_after_its_wait(make_peer, make_consumer,
                                                                                     device):
     prod = make_peer(ProducerProcess)
