@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
 # ec-nixl benchmarks on the H200 machine. Run from the repo root:  bash bench/run_device.sh
+# `bash bench/run_device.sh handoff` runs issue 40's hand-off measurements instead (~7 min on an
+# H100; into $OUT/handoff_log.txt and JSON): the hand-off library built there (or the carried
+# ec_nixl/_handoff.so), expect-write / expect-landed traces with the native path and --python-push,
+# idle and busy 2 ms, handoff_floor.py, the waiting-request tests on VRAM, and the bench's
+# expect-write/expect-landed with EC_NIXL_NATIVE=1 and 0.
 # Assumes the wrapper already did: pip install --no-index --no-deps --target /tmp/site .whl/*.whl
 # Writes into $OUT: bench_gpu.json, bench_gpu.png (if matplotlib), micro_gpu.json, bench_cpu.json,
 # bench_log.txt (everything printed). Expected ~4 min on one H200; hard-bounded at ~9 min by the
@@ -11,10 +16,54 @@ export PYTHONPATH="/tmp/site:.${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 LOG="$OUT/bench_log.txt"
 PY="${PYTHON:-python}"
+SIZE="${SIZE:-9.8M}"
 T0=$(date +%s)
 elapsed() { echo "[$(( $(date +%s) - T0 )) s]"; }
 
-{
+handoff() {
+  echo "== ec-nixl hand-off measurements $(date -Is) on $(hostname), $(nproc) CPUs"
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -2
+  # The native hand-off library: built here when a compiler is present, else the one carried in.
+  if command -v c++ >/dev/null; then
+    c++ -O2 -shared -fPIC -o ec_nixl/_handoff.so csrc/handoff.cpp -lpthread && echo "built ec_nixl/_handoff.so here"
+  else
+    echo "no c++ here: using the carried ec_nixl/_handoff.so ($(ls ec_nixl/_handoff*.so 2>&1))"
+  fi
+  "$PY" -c "from ec_nixl import handoff; lib, why = handoff.load_library(); print('native hand-off library:', 'loaded' if lib else why)"
+
+  trace() {  # $1: label, rest: handoff_trace.py arguments
+    local label=$1; shift
+    echo; echo "$(elapsed) == handoff_trace $label: $*"
+    timeout -k 5 90 "$PY" bench/probes/handoff_trace.py --device cuda --size "$SIZE" --n 100 "$@"
+    echo "$(elapsed) exit code: $?"
+  }
+  for spin in 0 2; do
+    trace "expect-write native" --write --spin-ms "$spin"
+    trace "expect-write python" --write --python-push --spin-ms "$spin"
+    trace "expect-landed native" --spin-ms "$spin"
+    trace "expect-landed python" --python-push --spin-ms "$spin"
+  done
+
+  echo; echo "$(elapsed) == handoff_floor (designs' floors, publisher idle and busy)"
+  timeout -k 5 150 "$PY" bench/probes/handoff_floor.py --device cuda --size "$SIZE" --spin-ms 2 \
+      --json "$OUT/handoff_floor.json"
+  echo "$(elapsed) exit code: $?"
+
+  echo; echo "$(elapsed) == pytest: the native hand-off and the waiting requests, on VRAM"
+  timeout -k 5 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_handoff.py tests/test_expected_items.py -rs 2>&1 | tail -15
+  echo "$(elapsed) exit code: ${PIPESTATUS[0]}"
+
+  for native in 1 0; do
+    echo; echo "$(elapsed) == ec-nixl bench expect-write, EC_NIXL_NATIVE=$native"
+    EC_NIXL_NATIVE=$native timeout -k 5 100 "$PY" -m ec_nixl.cli bench --device cuda --sizes 64K,"$SIZE" \
+        --items 0 --paths expect-write,expect-landed,ours-write,raw-nixl-write,reference-copy \
+        --budget-s 1 --repeats 40 --idle-s 3 --json "$OUT/bench_expect_native$native.json" --timeout 90
+    echo "$(elapsed) exit code: $?"
+  done
+  ls -la "$OUT"
+}
+
+benchmarks() {
   echo "== ec-nixl device benchmarks $(date -Is) on $(hostname)"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>&1 | head -4
   "$PY" -V
@@ -54,4 +103,11 @@ PYEOF
       --benchmark-max-time 0.5
   rc=$?; echo "$(elapsed) pytest exit code: $rc"
   ls -la "$OUT"
-} 2>&1 | tee "$LOG"
+}
+
+if [ "${1:-}" = handoff ]; then
+  LOG="$OUT/handoff_log.txt"
+  handoff 2>&1 | tee "$LOG"
+else
+  benchmarks 2>&1 | tee "$LOG"
+fi

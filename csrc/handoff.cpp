@@ -110,6 +110,24 @@ static entry *find(hx *h, int64_t key) {
   return NULL;
 }
 
+// The lock held: a free entry for `key`, cleared (its state is still E_FREE: the caller sets it),
+// or NULL with *rc = -3 (the key is in use) or -1 (the table is full).
+static entry *claim(hx *h, int64_t key, int *rc) {
+  if (find(h, key)) {
+    *rc = -3;
+    return NULL;
+  }
+  for (int i = 0; i < h->cap; i++) {
+    entry *x = &h->e[i];
+    if (x->state != E_FREE) continue;
+    memset(x, 0, offsetof(entry, notif));
+    x->key = key;
+    return x;
+  }
+  *rc = -1;
+  return NULL;
+}
+
 // Send a K_SEND entry's message to its routing id, never blocking (a peer not connected, or one
 // whose queue is full, fails it: the owner answers from Python then).
 static int send_answer(hx *h, entry *x) {
@@ -300,22 +318,15 @@ hx *hx_start(void *const fns[FN_COUNT], void *agent, void *ctx, double spin_us, 
 int hx_arm(hx *h, int64_t key, void *remote, int32_t remote_block, int32_t capacity, const char *notif,
            size_t notif_len) {
   if (notif_len > NOTIF_MAX) return -2;
-  int rc = -1;
+  int rc;
   pthread_mutex_lock(&h->mu);
-  if (find(h, key)) {
-    rc = -3;
-  } else {
-    for (int i = 0; i < h->cap; i++) {
-      entry *x = &h->e[i];
-      if (x->state != E_FREE) continue;
-      memset(x, 0, offsetof(entry, notif));
-      x->key = key, x->state = E_ARMED, x->remote = remote, x->remote_block = remote_block;
-      x->capacity = capacity, x->notif_len = notif_len;
-      memcpy(x->notif, notif, notif_len);
-      h->armed.fetch_add(1);
-      rc = 0;
-      break;
-    }
+  entry *x = claim(h, key, &rc);
+  if (x) {
+    x->state = E_ARMED, x->remote = remote, x->remote_block = remote_block;
+    x->capacity = capacity, x->notif_len = notif_len;
+    memcpy(x->notif, notif, notif_len);
+    h->armed.fetch_add(1);
+    rc = 0;
   }
   pthread_mutex_unlock(&h->mu);
   return rc;
@@ -362,20 +373,13 @@ int hx_send(hx *h, int64_t key, void *event, const char *id, size_t id_len, cons
   if (!p) return -5;
   memcpy(p, id, id_len);
   memcpy(p + id_len, body, body_len);
-  int rc = -1;
+  int rc;
   pthread_mutex_lock(&h->mu);
-  if (find(h, key)) {
-    rc = -3;
-  } else {
-    for (int i = 0; i < h->cap; i++) {
-      entry *x = &h->e[i];
-      if (x->state != E_FREE) continue;
-      memset(x, 0, offsetof(entry, notif));
-      x->key = key, x->kind = K_SEND, x->payload = p, x->id_len = id_len, x->body_len = body_len;
-      x->event = event, x->state = E_FIRED, x->t_fired = now_s();
-      rc = 1;
-      break;
-    }
+  entry *x = claim(h, key, &rc);
+  if (x) {
+    x->kind = K_SEND, x->payload = p, x->id_len = id_len, x->body_len = body_len;
+    x->event = event, x->state = E_FIRED, x->t_fired = now_s();
+    rc = 1;
   }
   pthread_mutex_unlock(&h->mu);
   if (rc == 1)

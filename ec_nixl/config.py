@@ -109,7 +109,10 @@ class EndpointConfig:
     for 2 ms after a publish, the waiting consumer's barrier returned at 2.1-2.4 ms with 5 ms and
     at 0.6-0.7 ms with 0.2 ms (H100, bench/probes/handoff_trace.py ``--spin-ms``). It costs a
     thread that runs Python only when another one wants the GIL; ours sleeps in its poller until
-    a message arrives. Process-wide (the interpreter has one); None leaves it alone."""
+    a message arrives. With ``native_handoff`` a parked request's answer no longer needs it, but a
+    consumer still receives every answer in Python (bench/RESULTS.md: leaving the interpreter
+    alone cost 6-25 % TTFT at rest on the CPU box). Process-wide (the interpreter has one); None
+    leaves it alone."""
     free_when_consumed: bool = True
     """Producer frees an item as soon as every declared reader has read it."""
     evict_unclaimed: bool = True

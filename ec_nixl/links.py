@@ -106,7 +106,7 @@ class Link:
     def move(self, state: LinkState) -> None:
         self.state = advance(self.state, state, LINK_NEXT)
 
-    def listen_for_answers(self, ctx: zmq.Context, address: str) -> bool:
+    def listen_for_answers(self, ctx: zmq.Context, address: str, cfg: EndpointConfig) -> bool:
         """Connect to the producer's answer socket under our identity: the Grants its publishes
         send from there (``native_answers``) arrive as if on the link. Nothing is sent on it."""
         try:
@@ -115,6 +115,7 @@ class Link:
             logger.warning("producer %s offers a bad answer address (%s): its answers come on the link", self.address, e)
             return False
         self.answers = _dealer(ctx, self.sock.getsockopt(zmq.IDENTITY))
+        handshake.keep_alive(self.answers, cfg)  # a dead connection is dropped and made again
         self.answers.connect(f"tcp://{host}:{port}")
         return True
 
@@ -517,7 +518,7 @@ class Links:
             except Exception as e:
                 return self.fail(link, f"cannot add producer {link.address} as NIXL peer: {e}", "INCOMPAT")
             link.mode = choose_mode(self.cfg, self.transport, self.metrics, link)
-        if msg.answers and link.listen_for_answers(self._ctx, msg.answers):
+        if msg.answers and link.listen_for_answers(self._ctx, msg.answers, self.cfg):
             self.loop.add_socket(link.answers, lambda: self._on_readable(link, link.answers))
         link.move(LinkState.READY)
         self._by_session[link.session] = link

@@ -109,7 +109,7 @@ def test_a_consumer_not_on_the_answer_socket_is_answered_from_python(make_peer, 
     request goes back to the server, which answers it on the link as before; nothing is left noted."""
     from ec_nixl.links import Link
 
-    monkeypatch.setattr(Link, "listen_for_answers", lambda self, ctx, address: False)
+    monkeypatch.setattr(Link, "listen_for_answers", lambda self, ctx, address, cfg: False)
     prod = make_peer(ProducerProcess)
     cons = make_consumer(threaded=True)
     hold = cons.hold_async(prod.address, [SPEC[0]], timeout=5.0, wait_s=8.0)

@@ -234,6 +234,8 @@ def endpoint_config(p: Placement, opts: NixlECOptions, compat: dict, *, control_
         pool_bytes=0 if control_only else p.pool_bytes,
         listen=f"{p.ip}:{p.port}" if serve or control_port else None,
         advertise=f"{opts.advertise_host}:{p.port}" if serve and opts.advertise_host else None,
+        # one answer port per rank, as ec_port (0: any free port)
+        answer_port=opts.endpoint.answer_port + (p.port - p.base_port) if opts.endpoint.answer_port else 0,
         compat=compat,
         group=p.group,
         # A serving producer must answer while its engine idles; a consumer-only worker is driven
