@@ -128,6 +128,12 @@ static entry *claim(hx *h, int64_t key, int *rc) {
   return NULL;
 }
 
+// A K_SEND entry's message is let go of once it is sent, cancelled or its copy failed.
+static void drop_payload(entry *x) {
+  free(x->payload);
+  x->payload = NULL;
+}
+
 // Send a K_SEND entry's message to its routing id, never blocking (a peer not connected, or one
 // whose queue is full, fails it: the owner answers from Python then).
 static int send_answer(hx *h, entry *x) {
@@ -141,8 +147,7 @@ static int send_answer(hx *h, entry *x) {
   }
   pthread_mutex_unlock(&h->zmu);
   x->t_posted = now_s();
-  free(x->payload);
-  x->payload = NULL;
+  drop_payload(x);
   return st;
 }
 
@@ -153,8 +158,7 @@ static void start(hx *h, entry *x) {
     while ((st = ((ev_query_fn)h->fn[FN_EV_QUERY])(x->event)) == CU_NOT_READY) relax();
     if (st != 0) {
       x->status = ERR_EVENT - st;
-      free(x->payload);
-      x->payload = NULL;
+      drop_payload(x);
       return;
     }
   }
@@ -197,8 +201,7 @@ static int pass(hx *h) {
     int state = x->state;
     if (state == E_FIRED && x->cancel) {  // cancelled before it was posted: it never writes
       x->state = state = E_CANCELLED, x->t_done = now_s();
-      free(x->payload);
-      x->payload = NULL;
+      drop_payload(x);
     } else if (state == E_FIRED) {
       x->state = E_STARTING;
     }

@@ -97,23 +97,23 @@ def _load(ep, args, timeout):
 def _enter_netns(name: str) -> None:
     """Move this process into network namespace ``name`` (``tests/netns.py``: another "host")
     before it opens a socket or an agent: everything it creates from here lives there."""
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     with open(f"/run/netns/{name}") as f:
         if libc.setns(f.fileno(), 0x40000000) != 0:  # CLONE_NEWNET
             raise OSError(ctypes.get_errno(), f"setns into {name} failed")
 
 
-def _hog_gil(seconds: float) -> float:
-    """Hold the GIL for ``seconds`` (a busy encoder's Python, a long kernel launch): a libc sleep
-    called through ``PyDLL``, which unlike ``CDLL`` does not release the GIL, so no other Python
-    thread of the process runs meanwhile; ZMQ's and NIXL's own threads do."""
-    import ctypes
+_USLEEP_HOLDING_GIL = ctypes.PyDLL(None).usleep
+"""libc's sleep through ``PyDLL``, which unlike ``CDLL`` does not release the GIL. Looked up once:
+loading a library lets go of the GIL, and a hog must start the moment it is called."""
 
-    t0 = time.perf_counter()
-    ctypes.PyDLL(None).usleep(int(seconds * 1e6))
-    return time.perf_counter() - t0
+
+def _hog_gil(seconds: float) -> float:
+    """Hold the GIL for ``seconds`` (a busy encoder's Python, a long kernel launch): no other Python
+    thread of the process runs meanwhile; ZMQ's and NIXL's own threads do."""
+    t0 = time.monotonic()
+    _USLEEP_HOLDING_GIL(int(seconds * 1e6))
+    return time.monotonic() - t0
 
 
 def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
@@ -242,17 +242,14 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
             elif cmd == "publish_and_hog":
                 # A vLLM runner: publish, then go on in Python for `hog` seconds (holding the GIL
                 # throughout). Answers (monotonic time the hog began, seconds it held the GIL).
-                # Nothing between the publish and the hog lets go of the GIL (the libc sleep is
-                # looked up first: loading a library would).
+                # Nothing between the publish and the hog lets go of the GIL.
                 (mm_hash, shape, dtype, seed), hog = args
-                usleep = ctypes.PyDLL(None).usleep
                 t = make_item(seed, shape, dtype, dev)
                 if dev.startswith("cuda"):
                     torch.cuda.synchronize()
                 ep.publish(mm_hash, t)
                 t_hog = time.monotonic()
-                usleep(int(float(hog) * 1e6))
-                conn.send(("ok", (t_hog, time.monotonic() - t_hog)))
+                conn.send(("ok", (t_hog, _hog_gil(float(hog)))))
             elif cmd == "hog_gil":
                 # FAULT INJECTION: a producer busy in Python (encoding) for `args` seconds: the
                 # answer comes after it, with the seconds it really held the GIL.

@@ -224,10 +224,8 @@ def test_a_load_that_waits_lands_when_the_item_is_published(make_peer, make_cons
     check(out, [SPEC], device)
     tickets[0].release()
     if mode == "write":  # the publish itself started the WRITE, off the GIL, where the library is built
-        from ec_nixl.handoff import load_library
-
         native = prod.call("stats")["counters"].get("native_pushes", 0)
-        assert native == (1 if load_library()[0] is not None else 0), native
+        assert native == (1 if _native_built() else 0), native
 
 
 def test_a_consumer_that_leaves_while_its_push_waits_is_never_written_to(make_peer, make_consumer, device):
@@ -238,9 +236,7 @@ def test_a_consumer_that_leaves_while_its_push_waits_is_never_written_to(make_pe
     gone.load([ItemRef(desc=_expected(SPEC), producer=prod.address)], timeout=20.0, wait_s=8.0)
     _wait_parked(prod, 1, what="pushes_parked")
     st = prod.call("stats")
-    from ec_nixl.handoff import load_library
-
-    if load_library()[0] is not None:
+    if _native_built():
         assert st["native_handoff"] == "on" and st["native_armed"] == 1, st
     gone.close()
     assert wait_until(lambda: prod.call("stats").get("sessions", 0) == 0, 20.0), "the session was never reclaimed"

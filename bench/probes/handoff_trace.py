@@ -12,8 +12,9 @@ answer gave and its barrier returns. Both processes stamp their steps with ``per
 The producer's steps are seen by wrapping its server's ``answer_parked`` and ``reply`` in this
 probe's own process (instrumentation, not a change of behaviour); where the publish answers it
 natively (``native_answers``), "Grant sent" is when the publish queued it on the hand-off's thread,
-and the loop's answer comes after (it only settles). "Grant sent" is stamped when the send returned: on a busy host the I/O thread may be preempted right after it, and the stamp then
-comes after the consumer already saw the answer. Not a benchmark of record:
+and the loop's answer comes after (it only settles). "Grant sent" is stamped when the send
+returned: on a busy host the I/O thread may be preempted right after it, and the stamp then comes
+after the consumer already saw the answer. Not a benchmark of record:
 ``ec-nixl bench --paths expect-landed`` is; this says which hop to work on.
 
 Each hand-off's item is then read once more at once (load() -> barrier, into another slot): the
