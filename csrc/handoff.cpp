@@ -8,8 +8,10 @@
 // consumer's prepped dlist and block) and the notification that lands it. The publishing thread
 // *fires* it in the same call that publishes (one mutex, one futex wake), and this library's
 // thread waits for the item's copy (a CUDA event), makes and posts the WRITE and polls it to its
-// end. The owner *takes* the outcome whenever it runs: every decision about what a failure means
-// stays in Python, which this file never calls.
+// end. The owner *takes* the outcome when it next runs: every decision about what a failure means
+// stays in Python, which this file never calls. So that the owner runs only when there is an
+// outcome to take (not on every publish, not on a timer), the thread writes an eventfd the
+// owner's poller watches once a pass ended entries: after the WRITE or the answer, never before.
 //
 // The same thread sends the Grant of a parked Hold or Get the publish answered (native_answers.py):
 // the publisher encodes it, this thread waits for the item's copy and sends it from a ZMQ ROUTER
@@ -24,6 +26,7 @@
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sys/syscall.h>
+#include <stdint.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -78,6 +81,7 @@ struct hx {
   entry *e;
   pthread_mutex_t mu;
   pthread_mutex_t zmu;  // around the answer socket: a send, or the owner taking the socket away
+  int done_fd;          // eventfd written once a pass ended entries (-1: none)
   zmq_send_fn zsend;
   void *zsock;
   std::atomic<uint32_t> work{0};      // bumped by every fire/cancel/stop: the thread's futex word
@@ -192,9 +196,10 @@ static void start(hx *h, entry *x) {
   x->status = st;
 }
 
-// One pass: start what was fired, poll what is posted. Returns how many are still posted.
+// One pass: start what was fired, poll what is posted. Returns how many are still posted; the
+// owner's eventfd is written if any entry ended.
 static int pass(hx *h) {
-  int posted = 0;
+  int posted = 0, ended = 0;
   for (int i = 0; i < h->cap; i++) {
     entry *x = &h->e[i];
     pthread_mutex_lock(&h->mu);
@@ -202,6 +207,7 @@ static int pass(hx *h) {
     if (state == E_FIRED && x->cancel) {  // cancelled before it was posted: it never writes
       x->state = state = E_CANCELLED, x->t_done = now_s();
       drop_payload(x);
+      ended++;
     } else if (state == E_FIRED) {
       x->state = E_STARTING;
     }
@@ -214,6 +220,7 @@ static int pass(hx *h) {
       } else {
         x->state = x->status == CAPI_SUCCESS ? E_DONE : E_FAILED;  // (a post that completed at once)
         x->t_done = now_s();
+        ended++;
       }
       state = x->state;
       pthread_mutex_unlock(&h->mu);
@@ -224,15 +231,22 @@ static int pass(hx *h) {
     if (st == CAPI_IN_PROG && x->cancel && ((release_fn)h->fn[FN_RELEASE])(h->agent, x->req) == CAPI_SUCCESS) {
       ((destroy_fn)h->fn[FN_DESTROY])(x->req);
       x->req = NULL, x->state = E_CANCELLED, x->t_done = now_s();
+      ended++;
     } else if (st != CAPI_IN_PROG) {
       ((release_fn)h->fn[FN_RELEASE])(h->agent, x->req);
       ((destroy_fn)h->fn[FN_DESTROY])(x->req);
       x->req = NULL, x->status = st, x->t_done = now_s();
       x->state = st == CAPI_SUCCESS ? E_DONE : E_FAILED;
+      ended++;
     } else {
       posted++;
     }
     pthread_mutex_unlock(&h->mu);
+  }
+  if (ended && h->done_fd >= 0) {
+    uint64_t one = 1;
+    ssize_t rc = write(h->done_fd, &one, sizeof one);  // (EAGAIN: the counter is full, the owner is awake)
+    (void)rc;
   }
   return posted;
 }
@@ -290,14 +304,17 @@ static void *run(void *arg) {
 // fns: FN_COUNT entry points (FN_EV_QUERY and FN_CTX_SET may be NULL: no CUDA); agent: the C
 // API's agent handle; ctx: the CUDA context the thread makes current (or NULL); spin_us: how long
 // the thread spins for a publish while entries are armed before it sleeps; poll_spin_us: how long
-// it polls a posted WRITE without sleeping after its post; cap: entries at most.
+// it polls a posted WRITE without sleeping after its post; cap: entries at most; done_fd: an
+// eventfd (non-blocking) written when entries end, for the owner to take them (-1: none).
 extern "C" {
 
-hx *hx_start(void *const fns[FN_COUNT], void *agent, void *ctx, double spin_us, double poll_spin_us, int cap) {
+hx *hx_start(void *const fns[FN_COUNT], void *agent, void *ctx, double spin_us, double poll_spin_us, int cap,
+             int done_fd) {
   hx *h = new (std::nothrow) hx();
   if (!h) return NULL;
   memcpy(h->fn, fns, sizeof h->fn);
   h->agent = agent, h->ctx = ctx, h->spin_s = spin_us * 1e-6, h->poll_spin_s = poll_spin_us * 1e-6, h->cap = cap;
+  h->done_fd = done_fd;
   h->e = static_cast<entry *>(calloc((size_t)cap, sizeof(entry)));
   if (!h->e || ((opt_new_fn)h->fn[FN_OPT_NEW])(&h->opt) != CAPI_SUCCESS ||
       ((opt_flag_fn)h->fn[FN_OPT_NOTIF])(h->opt, true) != CAPI_SUCCESS) {

@@ -59,7 +59,7 @@ def load_library() -> tuple[Optional[ctypes.PyDLL], str]:
     except OSError as e:
         return None, f"{hits[0]} does not load ({e})"
     i64, i32 = ctypes.c_int64, ctypes.c_int32
-    sigs = {"hx_start": ([VP * 11, VP, VP, ctypes.c_double, ctypes.c_double, ctypes.c_int], VP),
+    sigs = {"hx_start": ([VP * 11, VP, VP, ctypes.c_double, ctypes.c_double, ctypes.c_int, ctypes.c_int], VP),
             "hx_arm": ([VP, i64, VP, i32, i32, ctypes.c_char_p, SZ], ctypes.c_int),
             "hx_fire": ([VP, i64, VP, i32, i32, VP], ctypes.c_int),
             "hx_take": ([VP, i64, ctypes.POINTER(ctypes.c_int), ctypes.c_double * 3], ctypes.c_int),
@@ -145,9 +145,11 @@ class NativeHandoff:
     """One executor per NIXL agent. Owner thread: ``arm``, ``take``, ``cancel``; any thread:
     ``fire`` (the publish). Keys are the owner's; a key is free again once taken after its end."""
 
-    def __init__(self, lib, handle: int, boxes: list):
+    def __init__(self, lib, handle: int, boxes: list, done_fd: int):
         self._lib, self._h, self._boxes = lib, VP(handle), boxes
         self._lists: dict[int, ctypes.Array] = {}  # prepped list handle -> its C API box (kept alive)
+        self.done_fd = done_fd
+        """Readable once entries ended since the last ``drain_done``: the owner's poller watches it."""
 
     @classmethod
     def attach(cls, agent, cuda: bool, spin_us: float = 0.0,
@@ -197,11 +199,13 @@ class NativeHandoff:
             fns += [None, None]
         if poll_spin_us is None:  # pusher.PUSH_SPIN_S's rule (importing it would close an import circle)
             poll_spin_us = (0.0005 if len(os.sched_getaffinity(0)) >= 4 else 0.0) * 1e6
+        done_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         h = lib.hx_start((VP * 11)(*fns), ctypes.cast(agent_box, VP), ctx if cuda else None, float(spin_us),
-                         float(poll_spin_us), CAPACITY)
+                         float(poll_spin_us), CAPACITY, done_fd)
         if not h:
+            os.close(done_fd)
             return None, "the hand-off thread did not start"
-        return cls(lib, h, [agent_box, capi]), ""
+        return cls(lib, h, [agent_box, capi], done_fd), ""
 
     def _box(self, prepped) -> ctypes.Array:
         """The C API's list handle around a prepped list of the bindings (kept while we live)."""
@@ -283,6 +287,13 @@ class NativeHandoff:
             return "UNKNOWN"
         return STATES.get(self._lib.hx_cancel(self._h, key), "UNKNOWN")
 
+    def drain_done(self) -> None:
+        """Owner, when ``done_fd`` is readable: reset it (then ``take`` the entries that ended)."""
+        try:
+            os.eventfd_read(self.done_fd)
+        except (BlockingIOError, OSError):
+            pass
+
     def count(self) -> int:
         return self._lib.hx_count(self._h) if self._h is not None else 0
 
@@ -293,3 +304,4 @@ class NativeHandoff:
             h, self._h = self._h, None
             self._lib.hx_answer_socket(h, None, None)
             self._lib.hx_stop(h)
+            os.close(self.done_fd)

@@ -9,6 +9,7 @@ is a real NIXL failure (a request naming blocks outside the peer's list), not a 
 from __future__ import annotations
 
 import multiprocessing as mp
+import select
 import time
 
 import pytest
@@ -106,8 +107,14 @@ def _notifs(conn) -> list:
 def test_armed_write_fired_by_the_publish_lands_with_its_notification(rig):
     hx, local, remote, src, conn, _ = rig
     _notifs(conn)
+    hx.drain_done()
     assert hx.arm(1, remote, remote_block=5, capacity=2, notif=b"item-1")
+    assert not select.select([hx.done_fd], [], [], 0)[0], "done_fd readable before anything ended"
     assert hx.fire(1, local, local_block=3, nblocks=2)
+    # The owner learns that the entry ended from done_fd (its poller sleeps on it), not by polling.
+    assert select.select([hx.done_fd], [], [], 10)[0], "done_fd not readable after the WRITE ended"
+    hx.drain_done()
+    assert not select.select([hx.done_fd], [], [], 0)[0]
     out = _until_final(hx, 1)
     assert out.state == "DONE", out
     assert out.t_fired <= out.t_posted <= out.t_done
