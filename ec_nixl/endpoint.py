@@ -101,9 +101,13 @@ class Endpoint:
             self.loop.start(on_owner=self.transport.bind_owner if self.transport else (lambda: None),
                             gil_switch_s=cfg.gil_switch_interval_s)
 
-    def _published_some(self) -> None:
-        """Answer the Holds waiting for items now (from the publishing thread: via the loop)."""
-        if self.server is not None and not self.loop.closed:
+    def _published_some(self, back: bool) -> None:
+        """Answer the requests waiting for items now (from the publishing thread: via the loop),
+        unless every one is the native hand-off's and the publish gave none back (``parked``):
+        waking the loop then would only have it take the GIL from the publisher."""
+        server = self.server
+        if server is not None and not self.loop.closed and (back or server.parked.python):
+            self.metrics.count("publish_wakes")
             try:
                 self.loop.call(self.server.answer_parked)
             except RuntimeError as e:  # the I/O thread died: the endpoint reports that elsewhere

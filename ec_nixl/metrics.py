@@ -43,6 +43,7 @@ COUNTERS = (
     "native_pushes",  # producer: of their items, WRITEs the publish started off the GIL (native_handoff)
     "native_answers",  # producer: parked Holds and Gets the publish answered off the GIL (native_answers)
     "native_answers_unsent",  # producer: of those, sends that could not go (answered from Python instead)
+    "publish_wakes",  # producer: publishes that woke the I/O thread for waiting requests (none: all native)
     "expected_items",  # consumer scheduler: items asked for before their encoder finished (ec_nixl_expect)
 )
 

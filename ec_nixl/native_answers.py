@@ -65,18 +65,20 @@ class NativeAnswers:
     # --- owner thread (the server) ---------------------------------------------------
 
     def note(self, sid: str, group: str, identity: bytes, msg: P.Hold | P.Get, readers: int,
-             missing: set[str]) -> None:
-        """The parked ``msg`` waits for the items ``missing`` (not published yet)."""
+             missing: set[str]) -> bool:
+        """The parked ``msg`` waits for the items ``missing`` (not published yet). True: noted
+        (the last one's publish answers it); False: nothing missing, it stays the server's."""
         if not missing:
-            return
+            return False
         with self._lock:
             if (sid, msg.req) in self._noted:
-                return
+                return True
             n = Noted(self._next_key, sid, group, identity, msg, readers, set(missing))
             self._next_key += 1
             self._noted[(sid, msg.req)] = n
             for h in n.missing:
                 self._waiting.setdefault(h, []).append(n)
+        return True
 
     def settle(self, sid: str, req: int, alive: bool) -> str:
         """Where the parked request ``(sid, req)`` stands: 'none' (not noted, or back to the
@@ -133,10 +135,11 @@ class NativeAnswers:
 
     # --- the publishing thread --------------------------------------------------------
 
-    def take(self, item, grant: Callable[..., list[P.ItemState]]) -> list[tuple[Noted, Optional[int], bytes]]:
+    def take(self, item, grant: Callable[..., list[P.ItemState]]) -> tuple[list[tuple[Noted, Optional[int], bytes]], bool]:
         """Items table's lock held: the noted requests ``item`` was the last missing item of,
         granted now with ``grant`` (the table's, taking the lock-held path) and encoded, with
-        the CUDA event their send waits for. Those that cannot go natively go back to the server."""
+        the CUDA event their send waits for. Those that cannot go natively go back to the server:
+        the second value says whether any did (the server must run for them now)."""
         h = item.desc.mm_hash
         with self._lock:
             notes = self._waiting.pop(h, [])
@@ -147,7 +150,7 @@ class NativeAnswers:
                     n.state = FIRED
                     done.append(n)
         if not done:
-            return []
+            return [], False
         native, event = cuda_event_of(item.ready)
         now, out, back = time.monotonic(), [], []
         for n in done:
@@ -158,14 +161,16 @@ class NativeAnswers:
             else:
                 back.append(n)
         self._back(back)
-        return out
+        return out, bool(back)
 
-    def send(self, answers: list[tuple[Noted, Optional[int], bytes]]) -> None:
-        """After the table's lock: queue each Grant on the hand-off's thread."""
+    def send(self, answers: list[tuple[Noted, Optional[int], bytes]]) -> bool:
+        """After the table's lock: queue each Grant on the hand-off's thread. False: one could not
+        be queued (back to the server, which must run for it now)."""
         went = [(n, self.hx.send(n.key, event, n.identity, body)) for n, event, body in answers]
         with self._lock:
             for n, queued in went:
                 n.state = QUEUED if queued else RETURNED
+        return all(queued for _, queued in went)
 
     def _back(self, notes: list[Noted]) -> None:
         if notes:

@@ -121,6 +121,12 @@ class NativePushes:
         for a in taken:
             self.hx.take(a.key)
 
+    def covers(self, sid: str, reader: int, hashes) -> bool:
+        """Every item of ``hashes`` is armed for session ``sid``'s ``reader``: their publishes
+        start the WRITEs, and nothing of that parked Push waits for the server's loop."""
+        with self._lock:
+            return all(any(a.sid == sid and a.reader == reader for a in self._armed.get(h, ())) for h in hashes)
+
     def take_fired(self) -> list[tuple[Item, Push]]:
         """The pushes publishes started since the last call (the pusher adopts them)."""
         with self._lock:
@@ -133,18 +139,21 @@ class NativePushes:
 
     # --- the publish (any thread) ------------------------------------------------------
 
-    def take_armed(self, item: Item, claim: Callable[[Item, str, int, float], None], now: float) -> list[Push]:
+    def take_armed(self, item: Item, claim: Callable[[Item, str, int, float], None],
+                   now: float) -> tuple[list[Push], bool]:
         """The items table adds ``item`` (its lock held): each entry armed for it becomes a
-        POSTED push of the table (its WRITE starts at ``fire``, right after the lock)."""
+        POSTED push of the table (its WRITE starts at ``fire``, right after the lock). Returns
+        them, and whether any went back the Python way (the server must run for it now)."""
         with self._lock:
             armed = self._armed.pop(item.desc.mm_hash, None)
         if not armed:
-            return []
+            return [], False
         can, _ = cuda_event_of(item.ready)
-        pushes = []
+        pushes, back = [], False
         for a in armed:
             if not can or a.nbytes != item.desc.nbytes:
                 self.hx.take(a.key)  # the Python way: the re-run of the parked Push posts or refuses it
+                back = True
                 continue
             claim(item, a.group, a.readers, now)
             push = Push(a.sid, a.reader, a.block, item.desc.nbytes, a.req)
@@ -155,16 +164,20 @@ class NativePushes:
             pushes.append(push)
             with self._lock:
                 self._started.add((a.sid, a.reader, item.desc.mm_hash, a.req))
-        return pushes
+        return pushes, back
 
-    def fire(self, item: Item, pushes: list[Push]) -> None:
-        """Start the WRITEs of ``pushes`` (after the table's lock); the pusher adopts them."""
+    def fire(self, item: Item, pushes: list[Push]) -> bool:
+        """Start the WRITEs of ``pushes`` (after the table's lock); the pusher adopts them (when
+        the hand-off says they ended). False: one did not start (the server must run for it now)."""
         _, event = cuda_event_of(item.ready)
         nblocks = P.blocks_for(item.desc.nbytes, self.block_size)  # the item's blocks, as the consumer sized them
+        started = True
         for push in pushes:
             if not self.hx.fire(push.xfer.key, self._local, item.slot.block, nblocks, event):
                 # Taken back meanwhile (its consumer's link was dropped): it ends as a failed transfer.
                 push.xfer.state = "ERR"
                 self.hx.take(push.xfer.key)
+                started = False
         with self._lock:
             self._fired.extend((item, p) for p in pushes)
+        return started

@@ -157,10 +157,10 @@ class Published:
 
     def __init__(self, cfg: EndpointConfig, pool: Pool, metrics: Metrics,
                  wait_for: Optional[Callable[[Callable[[], bool], float], bool]] = None,
-                 on_free: Callable[[], None] = lambda: None, on_publish: Callable[[], None] = lambda: None):
+                 on_free: Callable[[], None] = lambda: None, on_publish: Callable[[bool], None] = lambda back: None):
         """``wait_for(pred, timeout)`` blocks a publisher until ``pred()`` (the endpoint's: it drives
         the owner loop when the caller is the owner); ``on_free()`` wakes such waiters;
-        ``on_publish()`` runs after each publish (waiting Holds are answered from it)."""
+        ``on_publish(back)`` runs after each publish (``back``: the server must look at what waits)."""
         self.cfg, self.pool, self.metrics = cfg, pool, metrics
         self._wait_for, self._on_free, self._on_publish = wait_for, on_free, on_publish
         self._lock = threading.Lock()
@@ -171,6 +171,11 @@ class Published:
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
+
+    def any_published(self, hashes) -> bool:
+        """Whether any of ``hashes`` is in the table now (withdrawn or not)."""
+        with self._lock:
+            return any(h in self._items for h in hashes)
 
     def hashes(self) -> list[str]:
         with self._lock:
@@ -191,6 +196,7 @@ class Published:
         descs: list[P.ItemDesc] = []
         copies: list[tuple[P.ItemDesc, Optional[Slot], torch.Tensor]] = []
         seen: dict[str, P.ItemDesc] = {}
+        back = False  # something waiting natively went back to the server
         try:
             for mm_hash, tensor in items:
                 if mm_hash in seen:
@@ -204,6 +210,7 @@ class Published:
                         item.expires_at = max(item.expires_at, time.monotonic() + self.cfg.announce_lease_s)
                         item.withdrawn = False  # published again (same hash, same bytes)
                         desc = item.desc
+                        back = True  # (no native path sees a renewal: the server looks at what waits)
                 if item is None:
                     if tensor.device != pool.arena.device:
                         raise ConfigError(f"item {mm_hash} is on {tensor.device}, the pool on {pool.arena.device}")
@@ -211,7 +218,7 @@ class Published:
                     slot = pool.slot_at(tensor.data_ptr()) if pool.arena.contains(tensor) else None
                     if slot is not None:  # written straight into the pool (see reserve()): no copy
                         pool.hold(slot)
-                        self._add(desc, slot, ready)
+                        back = self._add(desc, slot, ready) or back
                     else:
                         copies.append((desc, None, tensor.reshape(-1).view(torch.uint8)))
                 seen[mm_hash] = desc
@@ -224,11 +231,11 @@ class Published:
                     pool.release(slot)
             raise
         for desc, slot, _ in copies:
-            self._add(desc, slot, fence)
+            back = self._add(desc, slot, fence) or back
             self.metrics.count("staging_copies")
             self.metrics.count("staging_bytes", desc.nbytes)
         if descs:
-            self._on_publish()
+            self._on_publish(back)
         return descs
 
     def reserve(self, nbytes: int, tag: str = "") -> Slot:
@@ -297,8 +304,7 @@ class Published:
         with self._lock:
             if mm_hash in self._items:
                 raise ProtocolError(f"item {mm_hash} is already published")
-        self._add(desc, slot, ready)
-        self._on_publish()
+        self._on_publish(self._add(desc, slot, ready))
         return desc
 
     def unpublish(self, mm_hash: str) -> bool:
@@ -332,18 +338,24 @@ class Published:
         self.pool.release(slot)
         self._on_free()
 
-    def _add(self, desc: P.ItemDesc, slot: Slot, ready: Optional[Fence]) -> None:
+    def _add(self, desc: P.ItemDesc, slot: Slot, ready: Optional[Fence]) -> bool:
+        """Add the item, start off the GIL what waited for it natively; True if some went back to the server."""
+        fired, answers, back = [], [], False
         with self._lock:
             item = self._items[desc.mm_hash] = Item(desc, slot, ready, self.cfg.announce_lease_s)
-            fired = self.native.take_armed(item, self._claim, time.monotonic()) if self.native else None
+            if self.native is not None:
+                fired, back = self.native.take_armed(item, self._claim, time.monotonic())
             answering = self.answers  # (read once: the server may let go of it at close)
-            answers = answering.take(item, self._grant) if answering else None
+            if answering is not None:
+                answers, answers_back = answering.take(item, self._grant)
+                back = back or answers_back
         self.metrics.count("published")
         if fired:  # parked pushes of this item: their WRITEs start now, off the GIL
-            self.native.fire(item, fired)
+            back = not self.native.fire(item, fired) or back
             self.metrics.count("native_pushes", len(fired))
         if answers:  # parked Holds and Gets it completes: their Grants go now, off the GIL
-            answering.send(answers)
+            back = not answering.send(answers) or back
+        return back
 
     def _evictor(self) -> Optional[Callable[[int], int]]:
         return self._evict if self.cfg.evict_unclaimed else None

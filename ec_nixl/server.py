@@ -12,10 +12,12 @@ server down.
 
 A Hold or Get that may wait (``wait_s``: the consumer got the request before our encoder
 finished it) is parked while any of its items is missing or still being written, and answered
-the moment the last one is published and ready (a publish wakes the loop) or when its wait runs
-out: the consumer's READ starts as soon as the bytes exist, with no polling between. A Push that
-may wait is parked for its items not published yet, and its WRITEs start at their publish (no
-round trip after it); a Cancel takes a parked push out before it ever writes.
+the moment the last one is published and ready or when its wait runs out: the consumer's READ
+starts as soon as the bytes exist, with no polling between. A Push that may wait is parked for its
+items not published yet, and its WRITEs start at their publish (no round trip after it); a Cancel
+takes a parked push out before it ever writes. Where the native hand-off is on, the publish itself
+sends those answers and starts those WRITEs, and this loop only settles them afterwards
+(``parked``: which waiting requests need the loop at a publish).
 
 A consumer that goes away loses its sessions within a bounded time: ZMQ pings every connection
 from its own I/O thread (``handshake.keep_alive``) and drops one that answers nothing for
@@ -42,9 +44,10 @@ from ec_nixl import protocol as P
 from ec_nixl.config import EndpointConfig, split_address
 from ec_nixl.errors import ConfigError, ECNixlError, ProtocolError
 from ec_nixl.handshake import Identity, Session
-from ec_nixl.loop import TICK_S, OwnerLoop
+from ec_nixl.loop import OwnerLoop
 from ec_nixl.metrics import Metrics
 from ec_nixl.native_answers import close_answer_socket, open_answer_socket
+from ec_nixl.parked import Parked, Waiting
 from ec_nixl.published import Published
 from ec_nixl.pusher import Pusher
 from ec_nixl.transport import Transport
@@ -52,7 +55,6 @@ from ec_nixl.transport import Transport
 logger = logging.getLogger("ec_nixl")
 
 _MAX_HELLO_NONCES = 1 << 16  # handshakes remembered against replay
-_MAX_PARKED = 4096  # waiting requests kept at once; beyond that one is answered at once
 _PROBES_S = (0.0, 0.02, 0.1, 0.5, 2.0)
 """When to probe a consumer after its connection dropped: ZMQ removes the route a little later."""
 
@@ -92,8 +94,7 @@ class Server:
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._fd_of: dict[bytes, int] = {}  # consumer identity -> connection its last request came on
         self._suspects: dict[bytes, list[float]] = {}  # identity -> when to probe it (connection dropped)
-        # (deadline, identity, session, request): Holds, Gets and Pushes waiting for their items
-        self._parked: list[tuple[float, bytes, str, P.Hold | P.Get | P.Push]] = []
+        self.parked = Parked()  # Holds, Gets and Pushes waiting for their items
         try:
             if port == 0:
                 port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -111,10 +112,13 @@ class Server:
         """A consumer's answer to vLLM EPD's ``cancel`` (transfer id -> whether it was ours, detail)."""
         self.pusher = Pusher(published, transport, metrics, loop, self._sessions.get, self.reply) \
             if published is not None and transport is not None else None
+        self._handoff = transport.handoff if transport is not None and published is not None else None
         loop.add_socket(self._sock, self._serve_some)
         loop.add_socket(self._monitor, self._on_monitor)
+        if self._handoff is not None:  # a native WRITE or answer ended: settle it now
+            loop.add_socket(self._handoff.done_fd, self._on_native_done)
         loop.every_tick(self._tick)
-        loop.idle_hint(lambda: TICK_S if self._parked else None)
+        loop.idle_hint(self.parked.idle_hint)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -138,6 +142,8 @@ class Server:
 
     def close(self) -> None:
         self._loop.close_socket(self._sock, self._monitor)
+        if self._handoff is not None:
+            self._loop.remove_socket(self._handoff.done_fd)
         if self._answer_sock is not None:
             close_answer_socket(self._answer_sock, self.published)
             self._answer_sock = None
@@ -285,32 +291,40 @@ class Server:
     def _on_hold_or_get(self, identity: bytes, s: Session, msg) -> None:
         items = self._grant(s, msg)
         wait = _wait_of(msg)
-        if wait > 0 and len(self._parked) < _MAX_PARKED and not _all_ready(items):
-            self._parked.append((time.monotonic() + wait, identity, s.id, msg))
-            self.metrics.count("holds_parked")
-            if self.published.answers is not None:  # the last missing item's publish answers it
+        if wait > 0 and not self.parked.full() and not _all_ready(items):
+            answers, native = self.published.answers, False
+            if answers is not None:  # the last missing item's publish answers it
                 missing = {st.mm_hash for st in items if st.status == P.Nack.MISSING.value}
-                self.published.answers.note(s.id, s.group, identity, msg, _readers(msg), missing)
+                native = answers.note(s.id, s.group, identity, msg, _readers(msg), missing) and \
+                    not self.published.any_published(missing)  # (else published before the note: ours)
+            self.parked.add(Waiting(time.monotonic() + wait, identity, s.id, msg, native))
+            self.metrics.count("holds_parked")
             return
         self.reply(identity, P.Grant(req=msg.req, items=items))
+
+    def _on_native_done(self) -> None:
+        self._handoff.drain_done()
+        self.answer_parked()
 
     def answer_parked(self, now: Optional[float] = None) -> None:
         """Answer the waiting Holds and Gets whose items are all ready now, or whose wait ran out,
         and start the waiting pushes whose items were published (on every publish and every
         tick). A request whose session ended is dropped unanswered: its consumer's link is gone
         with it."""
-        if not self._parked:
+        if not self.parked:
             return
         now = time.monotonic() if now is None else now
         answers = self.published.answers if self.published is not None else None
         keep = []
-        for deadline, identity, sid, msg in self._parked:
+        for w in self.parked:
+            deadline, identity, sid, msg = w.deadline, w.identity, w.sid, w.msg
             s = self._sessions.get(sid)
             alive = s is not None and s.identity == identity
+            state = "none"
             if answers is not None and not isinstance(msg, P.Push):
                 state = answers.settle(sid, msg.req, alive)
                 if state == "busy":  # the hand-off is sending its answer
-                    keep.append((deadline, identity, sid, msg))
+                    keep.append(w)
                     continue
                 if state == "sent":
                     self.metrics.count("native_answers")
@@ -322,23 +336,32 @@ class Server:
             if isinstance(msg, P.Push):
                 rest = self._push(identity, s, msg, park=now < deadline)
                 if rest is not None:
-                    keep.append((deadline, identity, sid, rest))
+                    keep.append(Waiting(deadline, identity, sid, rest, self._armed_for(s, rest)))
                 continue
             items = self._grant(s, msg)
             if (now < deadline and not _all_ready(items)) or (answers is not None and not answers.withdraw(sid, msg.req)):
-                keep.append((deadline, identity, sid, msg))  # (or a publish took it meanwhile)
+                # (or a publish took it meanwhile); still the hand-off's while its note waits
+                keep.append(Waiting(deadline, identity, sid, msg, w.native and state == "waiting"))
                 continue
             self.reply(identity, P.Grant(req=msg.req, items=items))
-        self._parked = keep
+        self.parked.reset(keep)
 
     def _on_push(self, identity: bytes, s: Session, msg: P.Push) -> None:
         if s.peer is None or self.pusher is None:
             raise ProtocolError("a control-only session cannot receive pushes")
         wait = _wait_of(msg)
-        rest = self._push(identity, s, msg, park=wait > 0 and len(self._parked) < _MAX_PARKED)
+        rest = self._push(identity, s, msg, park=wait > 0 and not self.parked.full())
         if rest is not None:
-            self._parked.append((time.monotonic() + wait, identity, s.id, rest))
+            self.parked.add(Waiting(time.monotonic() + wait, identity, s.id, rest, self._armed_for(s, rest)))
             self.metrics.count("pushes_parked")
+
+    def _armed_for(self, s: Session, rest: P.Push) -> bool:
+        """Every item of the parked ``rest`` is armed, and none was published before it was (that
+        publish did not see the arming): the publishes start them, the loop need not look."""
+        native = self._table().native
+        hashes = {it.mm_hash for it in rest.items}
+        return native is not None and native.covers(s.id, rest.reader, hashes) and \
+            not self._table().any_published(hashes)
 
     def _push(self, identity: bytes, s: Session, msg: P.Push, park: bool) -> Optional[P.Push]:
         """Start the pushes of ``msg`` whose items exist and refuse the ones that cannot be
@@ -375,15 +398,7 @@ class Server:
         """Take ``mm_hashes`` out of session ``sid``'s parked pushes (nothing of them was written)."""
         if self.published is not None and self.published.native is not None:
             self.published.native.disarm(sid, mm_hashes)  # (what a publish started is a push now)
-        keep = []
-        for deadline, identity, psid, msg in self._parked:
-            if psid == sid and isinstance(msg, P.Push):
-                items = [it for it in msg.items if it.mm_hash not in mm_hashes]
-                if not items:
-                    continue
-                msg = msgspec.structs.replace(msg, items=items)
-            keep.append((deadline, identity, psid, msg))
-        self._parked = keep
+        self.parked.drop_pushes(sid, mm_hashes)
 
     # --- consumers that went away ----------------------------------------------------
 

@@ -212,6 +212,26 @@ def run_on_owner(ep, fn: Callable[[], None]) -> None:
     ep.loop.call(fn)
 
 
+def publish_before(ep, what: str, publish: Callable[[], None]) -> None:
+    """FAULT INJECTION: the next time the producer's server hands a parked request to the native
+    hand-off (``what``: "note" a Hold, "arm" a Push), ``publish()`` runs first: the item appears
+    after the server saw it missing and before the hand-off knows the request (a publish racing
+    the park from another thread). And the loop's tick is made to have just run, as it often has
+    on a busy producer: the round's own tick does not look at the request then. Once only."""
+    from ec_nixl.loop import TICK_S
+
+    target = ep.items.answers if what == "note" else ep.items.native
+    real = getattr(target, what)
+
+    def first(*a, **k):
+        setattr(target, what, real)
+        publish()
+        ep.loop._next_tick = time.monotonic() + TICK_S
+        return real(*a, **k)
+
+    setattr(target, what, first)
+
+
 def drop_read_done(ep) -> None:
     """FAULT INJECTION: every read-done message this consumer sends is lost from now on."""
     send = ep.links.send

@@ -250,6 +250,19 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                 ep.publish(mm_hash, t)
                 t_hog = time.monotonic()
                 conn.send(("ok", (t_hog, _hog_gil(float(hog)))))
+            elif cmd == "publish_while_parking":
+                # FAULT INJECTION (a race): the next waiting request's item is published by another
+                # thread between the server's look at the table and its handing the request to the
+                # native hand-off (``what``: "note", a Hold; "arm", a Push), so that publish does
+                # not see it there. Answers when a request parked: the monotonic time of the publish.
+                (mm_hash, shape, dtype, seed), what = args
+                t = make_item(seed, shape, dtype, dev)
+                if dev.startswith("cuda"):
+                    torch.cuda.synchronize()
+                published_at: list[float] = []
+                helpers.publish_before(ep, what, lambda: (ep.publish(mm_hash, t), published_at.append(time.monotonic())))
+                helpers.wait_until(lambda: bool(published_at), 60.0)
+                conn.send(("ok", published_at[0] if published_at else None))
             elif cmd == "hog_gil":
                 # FAULT INJECTION: a producer busy in Python (encoding) for `args` seconds: the
                 # answer comes after it, with the seconds it really held the GIL.

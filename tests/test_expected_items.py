@@ -17,6 +17,7 @@ import pytest
 from ec_nixl import protocol as P
 from ec_nixl.barrier import LoadBarrier
 from ec_nixl.errors import LoadFailed
+from ec_nixl.loop import IDLE_POLL_S
 from ec_nixl.tickets import ItemRef
 from helpers import check, desc_of, fetch, landed, ticket_slot, wait_until
 from peers import ProducerProcess
@@ -100,6 +101,61 @@ def test_the_publish_answers_while_the_producer_holds_its_gil(make_peer, make_co
     counter = "native_pushes" if flow == "write" else "native_answers"
     assert wait_until(lambda: prod.call("stats")["counters"].get(counter, 0) == 1, 5.0), prod.call("stats")
     assert wait_until(lambda: prod.call("stats").get("native_noted", 0) == 0, 5.0), prod.call("stats")
+
+
+@pytest.mark.parametrize("flow", ["hold", "write"])
+def test_a_publish_the_hand_off_answers_in_full_leaves_the_io_thread_asleep(make_peer, make_consumer, device,
+                                                                           flow):
+    """Every request waiting for the item is the hand-off's: the publish does not wake the
+    producer's I/O thread (it would take the GIL from the runner that just published); the
+    hand-off answers or writes, and the server settles it once told so."""
+    if not _native_built():
+        pytest.skip("the native hand-off library is not built here (setup.py needs a C++ compiler)")
+    prod = make_peer(ProducerProcess)
+    cons = make_consumer(threaded=True, mode="write" if flow == "write" else "read")
+    if flow == "hold":
+        hold = cons.hold_async(prod.address, [SPEC[0]], timeout=10.0, wait_s=8.0)
+        _wait_parked(prod, 1)
+        prod.call("publish", [SPEC])
+        assert cons.wait_for(lambda: hold.done, 10) and hold.states[SPEC[0]].status == "ready", hold.states
+    else:
+        tickets = cons.load([ItemRef(desc=_expected(SPEC), producer=prod.address)], timeout=20.0, wait_s=8.0)
+        _wait_parked(prod, 1, what="pushes_parked")
+        prod.call("publish", [SPEC])
+        check(LoadBarrier(cons).wait(tickets, timeout=15.0), [SPEC], device)
+        tickets[0].release()
+    counter = "native_pushes" if flow == "write" else "native_answers"
+    assert wait_until(lambda: prod.call("stats")["counters"].get(counter, 0) == 1, 5.0), prod.call("stats")
+    assert prod.call("stats")["counters"].get("publish_wakes", 0) == 0, prod.call("stats")
+    assert wait_until(lambda: prod.call("stats").get("native_noted", 0) == 0, 5.0), prod.call("stats")
+
+
+@pytest.mark.parametrize("flow", ["hold", "write"])
+def test_an_item_published_while_its_request_parks_is_served_at_once(make_peer, make_consumer, device, flow):
+    """A race (fault injection): the item is published after the server found it missing and
+    before the hand-off knew the request, so that publish could not answer it natively (nor wake
+    the loop: nothing parked was the server's yet). The server must see that and serve it within
+    a tick, not when the loop next wakes for something else (IDLE_POLL_S) or its wait runs out."""
+    if not _native_built():
+        pytest.skip("the native hand-off library is not built here (setup.py needs a C++ compiler)")
+    prod = make_peer(ProducerProcess)
+    cons = make_consumer(threaded=True, mode="write" if flow == "write" else "read")
+    cons.query_stats(prod.address)  # (the link is up first: the time measured is the request's)
+    prod.send("publish_while_parking", (SPEC, "note" if flow == "hold" else "arm"))
+    if flow == "hold":
+        hold = cons.hold_async(prod.address, [SPEC[0]], timeout=10.0, wait_s=8.0)
+        assert cons.wait_for(lambda: hold.done, 10) and hold.states[SPEC[0]].status == "ready", hold.states
+        t_done = hold.t_answered
+    else:
+        tickets = cons.load([ItemRef(desc=_expected(SPEC), producer=prod.address)], timeout=20.0, wait_s=8.0)
+        check(LoadBarrier(cons).wait(tickets, timeout=15.0), [SPEC], device)
+        t_done = time.monotonic()
+        tickets[0].release()
+    t_pub = prod.result("publish_while_parking", timeout=30)
+    parked = "pushes_parked" if flow == "write" else "holds_parked"
+    assert prod.call("stats")["counters"].get(parked, 0) == 1, prod.call("stats")  # (it did park)
+    assert t_done - t_pub < IDLE_POLL_S / 2, (f"served {t_done - t_pub:.3f}s after its item was published: "
+                                              "when the loop woke for something else")
 
 
 def test_a_consumer_not_on_the_answer_socket_is_answered_from_python(make_peer, make_consumer, device,
