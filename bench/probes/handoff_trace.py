@@ -26,7 +26,8 @@ parks a Push at the producer; the publish starts the WRITE into the consumer's s
     publish_slot returned | the producer's loop answers | WRITE posted | the consumer sees the
     WRITE's notification | barrier returned
 
-(the READ control is then skipped: the item is not held). ``--marks`` also stamps the producer's
+(the READ control is then skipped: the item is not held); with the native hand-off the producer's
+"hx fired / posted / done" are its thread's own stamps. ``--marks`` also stamps the producer's
 steps from taking the parked Push to the post (``_push``, ``claim_pushes``, the pusher, the post;
 "made": NIXL's make is done and its post begins).
 
@@ -152,6 +153,17 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: 
         return x
 
     ep.transport.post_many = timed_post
+    hx = ep.transport.handoff
+    if hx is not None:  # the native thread's own stamps (CLOCK_MONOTONIC, as perf_counter): when
+        take = hx.take  # it posted / sent and when NIXL said DONE, read where the owner takes them
+
+        def timed_take(key):
+            out = take(key)
+            if out.state == "DONE" and "hx done" not in marks:
+                marks["hx fired"], marks["hx posted"], marks["hx done"] = out.t_fired, out.t_posted, out.t_done
+            return out
+
+        hx.take = timed_take
     if marked:
         mark_calls(ep, marks)
     if hot_loop:  # --hot-loop: the I/O thread polls without blocking (its core never idles)
