@@ -291,7 +291,8 @@ def producer_stats(address: Optional[str]) -> dict[str, Any]:
         return {"error": str(e)[:200]}
     c = st.get("counters", {})
     out: dict[str, Any] = {k: int(c.get(k, 0)) for k in ("published", "staging_copies", "holds_parked",
-                                                            "pushes_parked", "native_answers", "native_pushes")}
+                                                            "pushes_parked", "native_answers", "native_pushes",
+                                                            "publish_wakes")}
     pub = (st.get("phases") or {}).get("publish") or []
     if pub:
         out["publish_ms"] = round(statistics.mean(pub) * 1e3, 3)
