@@ -39,6 +39,7 @@ handoff() {
   }
   for spin in 0 2; do
     trace "expect-write native" --write --spin-ms "$spin"
+    trace "expect-write native, barrier spin 0.5 ms (the small-host rule)" --write --spin-ms "$spin" --barrier-spin-ms 0.5
     trace "expect-write python" --write --python-push --spin-ms "$spin"
     trace "expect-landed native" --spin-ms "$spin"
     trace "expect-landed python" --python-push --spin-ms "$spin"

@@ -31,6 +31,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from ec_nixl.loop import has_spare_cpus
+
 VP, SZ = ctypes.c_void_p, ctypes.c_size_t
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -160,7 +162,7 @@ class NativeHandoff:
         while an entry is armed before it sleeps (0 on small hosts: a spinning thread takes the
         core the publisher and the consumer need). ``poll_spin_us``: how long it polls a posted
         WRITE without sleeping after the post (default: the pusher's, ``pusher.PUSH_SPIN_S``: 0.5
-        ms where 4 CPUs or more are ours, else 0), then it sleeps 20-200 us between polls."""
+        ms where the process has spare CPUs, else 0), then it sleeps 20-200 us between polls."""
         lib, why = load_library()
         if lib is None:
             return None, why
@@ -197,8 +199,8 @@ class NativeHandoff:
                 return None, f"the CUDA driver API is not reachable ({e})"
         else:
             fns += [None, None]
-        if poll_spin_us is None:  # pusher.PUSH_SPIN_S's rule (importing it would close an import circle)
-            poll_spin_us = (0.0005 if len(os.sched_getaffinity(0)) >= 4 else 0.0) * 1e6
+        if poll_spin_us is None:  # as the pusher's PUSH_SPIN_S
+            poll_spin_us = 500.0 if has_spare_cpus() else 0.0
         done_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         h = lib.hx_start((VP * 11)(*fns), ctypes.cast(agent_box, VP), ctx if cuda else None, float(spin_us),
                          float(poll_spin_us), CAPACITY, done_fd)

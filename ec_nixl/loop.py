@@ -33,6 +33,14 @@ WAIT_ROUND_S = 0.001
 """Longest an owner's ``wait_for`` blocks between two rounds."""
 TICK_S = 0.002
 """Period of the timers (deadlines, heartbeats, lease expiry, pool reclaim)."""
+SPARE_CPUS = 4
+"""A process that may use this many CPUs or more may spin while work is expected (a posted WRITE,
+a barrier waiting for its items); on a smaller host a spinning thread takes the core the peer or
+ZMQ's I/O thread needs to deliver that work, and it sleeps instead."""
+
+
+def has_spare_cpus() -> bool:
+    return len(os.sched_getaffinity(0)) >= SPARE_CPUS
 
 
 def lower_switch_interval(seconds: float) -> None:

@@ -9,14 +9,13 @@ reader, or failed with a ``PushFailed`` reply. A WRITE that NIXL cannot release 
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Callable, Optional
 
 from ec_nixl import protocol as P
 from ec_nixl.errors import TransferFailed
 from ec_nixl.handshake import Session
-from ec_nixl.loop import OwnerLoop
+from ec_nixl.loop import OwnerLoop, has_spare_cpus
 from ec_nixl.metrics import Metrics
 from ec_nixl.published import Item, Published, Push
 from ec_nixl.states import PushState
@@ -24,11 +23,10 @@ from ec_nixl.transport import Transport
 
 PUSH_POLL_S = (0.0002, 0.002)
 """Sleep between polls of a posted WRITE: (when just posted, at most)."""
-SPARE_CPUS = 4
-PUSH_SPIN_S = 0.0005 if len(os.sched_getaffinity(0)) >= SPARE_CPUS else 0.0
+PUSH_SPIN_S = 0.0005 if has_spare_cpus() else 0.0
 """How long after a post the loop polls the WRITE without sleeping (a GPU WRITE of one image takes
-~20-100 us, which a 0.2 ms sleep would triple). Only where the process may use ``SPARE_CPUS`` or
-more CPUs: on a small host the spinning loop would take the core the consumer's UCX needs."""
+~20-100 us, which a 0.2 ms sleep would triple). Only where the process has spare CPUs
+(``loop.SPARE_CPUS``): on a small host the spinning loop would take the core the consumer's UCX needs."""
 
 
 class Pusher:

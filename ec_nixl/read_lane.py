@@ -17,7 +17,7 @@ from ec_nixl.errors import ECNixlError, TransferFailed
 from ec_nixl.link_work import LinkWork
 from ec_nixl.links import Link, Links
 from ec_nixl.load_failures import Failures, timeout_error
-from ec_nixl.loop import OwnerLoop
+from ec_nixl.loop import OwnerLoop, has_spare_cpus
 from ec_nixl.metrics import Metrics
 from ec_nixl.protocol import MAX_ITEM_BYTES, validate_item
 from ec_nixl.pool import Pool
@@ -29,10 +29,13 @@ _PENDING, _READ = TicketState.PENDING, Phase.READ
 ROUND_EVERY_S = 0.001
 """While a waiter polls its own READs, it still runs a full loop round this often (heartbeats,
 grants and messages of other work must not starve)."""
-SPIN_S = 0.0005
+SPIN_S = 0.02 if has_spare_cpus() else 0.0005
 """While a waiter's tickets wait for a message (a Grant, a WRITE's notification), it spins this
-long, then blocks in the poller between rounds (``OwnerLoop.wait_round``): on a host with few
-cores, a PD worker spinning for its Grant took the core its producer needed to answer it."""
+long, then blocks in the poller between rounds (``OwnerLoop.wait_round``). A WRITE's notification has
+no file descriptor to wake the poller, and a round that blocked sees it 1-2 ms late; an item being
+pushed lands within the 20 ms, and the runner waits in the barrier meanwhile anyway. On a host with
+few cores (``loop.SPARE_CPUS``) 0.5 ms: a PD worker spinning for its Grant took the core its
+producer needed to answer it."""
 
 
 def _all_reading(tickets: list[LoadTicket]) -> bool:

@@ -38,7 +38,7 @@ the GIL); ``--no-progress-thread`` runs the producer's agent without NIXL's prog
 
     python bench/probes/handoff_trace.py [--device cpu|cuda] [--size 64K] [--n 60] [--quiet-ms MS] [--touch] [--busy]
                                          [--write [--marks]] [--no-progress-thread] [--hot-loop]
-                                         [--spin-ms MS] [--gil-switch-ms MS] [--python-push]
+                                         [--spin-ms MS] [--gil-switch-ms MS] [--python-push] [--barrier-spin-ms MS]
 """
 
 from __future__ import annotations
@@ -251,7 +251,14 @@ def main() -> None:
     ap.add_argument("--hot-loop", action="store_true",
                     help="the producer's I/O thread never blocks between rounds (a probe-only patch): is the "
                          "cost of its NIXL calls the cost of waking an idle core?")
+    ap.add_argument("--barrier-spin-ms", type=float, default=None,
+                    help="how long the consumer's barrier spins before it blocks between rounds (read_lane.SPIN_S; "
+                         "default: the library's, 20 ms with 4 CPUs or more, else 0.5 ms)")
     args = ap.parse_args()
+    if args.barrier_spin_ms is not None:  # a probe-only patch of the consumer (this process)
+        import ec_nixl.read_lane as read_lane
+
+        read_lane.SPIN_S = args.barrier_spin_ms / 1e3
     from ec_nixl.bench.units import parse_size
 
     spec = parse_size(args.size)
