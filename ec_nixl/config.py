@@ -101,18 +101,18 @@ class EndpointConfig:
     """Connect to producers only to read their statistics (no compat hash needed, no data)."""
     threaded: bool = True
     """Run an I/O thread that owns NIXL; otherwise the creating thread drives progress."""
-    gil_switch_interval_s: Optional[float] = 0.0002
+    gil_switch_interval_s: Optional[float] = None
     """With an I/O thread: lower the interpreter's GIL switch interval (``sys.setswitchinterval``,
-    5 ms by default) to this, never raise it. A thread that wants the GIL while another runs
-    Python waits up to that interval before CPython makes the other let go, and again after each
-    call that released it. While the publishing thread (vLLM's runner) went on running Python
-    for 2 ms after a publish, the waiting consumer's barrier returned at 2.1-2.4 ms with 5 ms and
-    at 0.6-0.7 ms with 0.2 ms (H100, bench/probes/handoff_trace.py ``--spin-ms``). It costs a
-    thread that runs Python only when another one wants the GIL; ours sleeps in its poller until
-    a message arrives. With ``native_handoff`` a parked request's answer no longer needs it, but a
-    consumer still receives every answer in Python (bench/RESULTS.md: leaving the interpreter
-    alone cost 6-25 % TTFT at rest on the CPU box). Process-wide (the interpreter has one); None
-    leaves it alone."""
+    5 ms by default) to this, never raise it. None (default): vLLM's interpreter is left alone. A
+    thread that wants the GIL while another runs Python waits up to that interval before CPython
+    makes the other let go, and again after each call that released it. The native hand-off
+    answers parked requests and posts their WRITEs without the GIL, and a publish no longer wakes
+    the I/O thread for them: on the CPU box, 0.2 ms against None changed TTFT p50 by 0.94-1.12x
+    (median of 4 rounds, every range spanning 1) in both serving flows (bench/RESULTS.md). It still
+    pays where answers go through Python: ``native_handoff`` off or unavailable (the producer's
+    ``stats()["native_handoff"]`` says why), where a busy runner held the waiting consumer's
+    barrier to 9.3 ms at 5 ms and 3.5 ms at 0.2 ms (``handoff_trace.py --python-push --spin-ms
+    10``); set 0.0002 there. Process-wide (the interpreter has one)."""
     free_when_consumed: bool = True
     """Producer frees an item as soon as every declared reader has read it."""
     evict_unclaimed: bool = True
