@@ -40,9 +40,11 @@ handoff() {
   for spin in 0 2; do
     trace "expect-write native" --write --spin-ms "$spin"
     trace "expect-write native, barrier spin 0.5 ms (the small-host rule)" --write --spin-ms "$spin" --barrier-spin-ms 0.5
-    trace "expect-write python" --write --python-push --spin-ms "$spin"
+    # (the Python path at 0.2 ms: its best setting, the default until native answers; the native
+    # path at the default, which leaves the interpreter alone)
+    trace "expect-write python" --write --python-push --spin-ms "$spin" --gil-switch-ms 0.2
     trace "expect-landed native" --spin-ms "$spin"
-    trace "expect-landed python" --python-push --spin-ms "$spin"
+    trace "expect-landed python" --python-push --spin-ms "$spin" --gil-switch-ms 0.2
   done
 
   if [ "${FLOORS:-1}" != 0 ]; then  # FLOORS=0: the designs' floors are not re-measured (they do not use our code)
