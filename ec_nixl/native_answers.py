@@ -50,6 +50,10 @@ class Noted:
     state: str = WAITING
 
 
+Answer = tuple[Noted, Optional[int], bytes]
+"""A granted request ready to go: its note, the CUDA event its send waits for, the encoded Grant."""
+
+
 class NativeAnswers:
     def __init__(self, handoff: NativeHandoff):
         self.hx = handoff
@@ -135,7 +139,7 @@ class NativeAnswers:
 
     # --- the publishing thread --------------------------------------------------------
 
-    def take(self, item, grant: Callable[..., list[P.ItemState]]) -> tuple[list[tuple[Noted, Optional[int], bytes]], bool]:
+    def take(self, item, grant: Callable[..., list[P.ItemState]]) -> tuple[list[Answer], bool]:
         """Items table's lock held: the noted requests ``item`` was the last missing item of,
         granted now with ``grant`` (the table's, taking the lock-held path) and encoded, with
         the CUDA event their send waits for. Those that cannot go natively go back to the server:
@@ -163,7 +167,7 @@ class NativeAnswers:
         self._back(back)
         return out, bool(back)
 
-    def send(self, answers: list[tuple[Noted, Optional[int], bytes]]) -> bool:
+    def send(self, answers: list[Answer]) -> bool:
         """After the table's lock: queue each Grant on the hand-off's thread. False: one could not
         be queued (back to the server, which must run for it now)."""
         went = [(n, self.hx.send(n.key, event, n.identity, body)) for n, event, body in answers]

@@ -260,7 +260,12 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                 if dev.startswith("cuda"):
                     torch.cuda.synchronize()
                 published_at: list[float] = []
-                helpers.publish_before(ep, what, lambda: (ep.publish(mm_hash, t), published_at.append(time.monotonic())))
+
+                def publish():
+                    ep.publish(mm_hash, t)
+                    published_at.append(time.monotonic())
+
+                helpers.publish_before(ep, what, publish)
                 helpers.wait_until(lambda: bool(published_at), 60.0)
                 conn.send(("ok", published_at[0] if published_at else None))
             elif cmd == "hog_gil":
