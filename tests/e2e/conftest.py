@@ -31,11 +31,23 @@ STARTUP_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_S = 120.0
 
 
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_block(n: int) -> int:
-    """First of ``n`` consecutive free TCP ports (others may run servers on this host too)."""
+    """First of ``n`` consecutive free TCP ports (others may run servers on this host too), below
+    the ephemeral range: between the pick and an instance's bind, any outgoing connection on the
+    host (UCX, ZMQ, HTTP clients) may get a port there as its source port (seen twice: a restarted
+    encoder, and the proxy of a fresh rig, could not bind theirs)."""
     rng = random.Random()
+    top = _ephemeral_start() - n if _ephemeral_start() - n > 20000 + 4 * n else 60000 - n
     for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
+        base = rng.randrange(20000, top)
         socks = []
         try:
             for p in range(base, base + n):

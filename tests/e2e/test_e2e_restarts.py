@@ -151,28 +151,15 @@ class Restarts:
         self.cluster.wait_healthy([inst], STARTUP_TIMEOUT_S)
 
 
-def port_block(n: int) -> int:
-    """Like ``free_port_block``, but below the ephemeral range: while an instance is down, any
-    outgoing connection on the host may get one of its ports as source port, and the restarted
-    instance could not bind it (seen once: the second encoder restart failed that way)."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        ephemeral = int(f.read().split()[0])
-    for _ in range(200):
-        base = free_port_block(n)
-        if base + n <= ephemeral:
-            return base
-    raise RuntimeError(f"no {n} free ports below {ephemeral}")
-
-
 @pytest.fixture(scope="module")
 def rig(baseline: Baseline, tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Restarts]:
     from ec_nixl.config import EndpointConfig
     from ec_nixl.endpoint import Endpoint
 
     workdir = tmp_path_factory.mktemp("restarts")
-    base = port_block(3)  # proxy, encoder0, pd0
+    base = free_port_block(3)  # proxy, encoder0, pd0
     cfg = LaunchConfig(model=tiny_model, num_encoders=1, num_pd=1, port=base, base_port=base + 1,
-                       connector="NixlECConnector", ec_base_port=port_block(16), ec_port_stride=8,
+                       connector="NixlECConnector", ec_base_port=free_port_block(16), ec_port_stride=8,
                        ec_buffer_size=64 << 20, ec_buffer_device="cpu", vllm_args=list(COMMON_VLLM_ARGS),
                        log_dir=workdir / "logs", env=dict(BASE_ENV), startup_timeout_s=STARTUP_TIMEOUT_S,
                        extra_config=dict(TIMERS),
