@@ -109,7 +109,7 @@ class Endpoint:
         if server is not None and not self.loop.closed and (back or server.parked.python):
             self.metrics.count("publish_wakes")
             try:
-                self.loop.call(self.server.answer_parked)
+                self.loop.call(server.answer_parked)
             except RuntimeError as e:  # the I/O thread died: the endpoint reports that elsewhere
                 logger.debug("waiting Holds not answered: %s", e)
 

@@ -358,10 +358,10 @@ class Server:
     def _armed_for(self, s: Session, rest: P.Push) -> bool:
         """Every item of the parked ``rest`` is armed, and none was published before it was (that
         publish did not see the arming): the publishes start them, the loop need not look."""
-        native = self._table().native
+        table = self._table()
         hashes = {it.mm_hash for it in rest.items}
-        return native is not None and native.covers(s.id, rest.reader, hashes) and \
-            not self._table().any_published(hashes)
+        return table.native is not None and table.native.covers(s.id, rest.reader, hashes) and \
+            not table.any_published(hashes)
 
     def _push(self, identity: bytes, s: Session, msg: P.Push, park: bool) -> Optional[P.Push]:
         """Start the pushes of ``msg`` whose items exist and refuse the ones that cannot be

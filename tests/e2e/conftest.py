@@ -45,7 +45,8 @@ def free_port_block(n: int) -> int:
     host (UCX, ZMQ, HTTP clients) may get a port there as its source port (seen twice: a restarted
     encoder, and the proxy of a fresh rig, could not bind theirs)."""
     rng = random.Random()
-    top = _ephemeral_start() - n if _ephemeral_start() - n > 20000 + 4 * n else 60000 - n
+    below = _ephemeral_start() - n
+    top = below if below > 20000 + 4 * n else 60000 - n
     for _ in range(200):
         base = rng.randrange(20000, top)
         socks = []
