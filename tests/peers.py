@@ -131,7 +131,7 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
         torch.cuda.set_device(torch.device(dev).index or 0)
     ep = Endpoint(EndpointConfig(**cfg_kwargs))
     conn.send(("ready", (ep.address, ep.incarnation)))
-    pending: dict[str, list] = {}  # load_async batches by name
+    pending: dict[str, list] = {}  # what a command leaves for a later one (load_async batches, ...)
     while True:
         try:
             cmd, args = conn.recv()
@@ -251,22 +251,28 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
                 t_hog = time.monotonic()
                 conn.send(("ok", (t_hog, _hog_gil(float(hog)))))
             elif cmd == "publish_while_parking":
-                # FAULT INJECTION (a race): the next waiting request's item is published by another
-                # thread between the server's look at the table and its handing the request to the
-                # native hand-off (``what``: "note", a Hold; "arm", a Push), so that publish does
-                # not see it there. Answers when a request parked: the monotonic time of the publish.
+                # FAULT INJECTION (a race): the next waiting request's item is published between the
+                # server's look at the table and its handing the request to the native hand-off
+                # (``what``: "note", a Hold; "arm", a Push), as another thread's publish could be, so
+                # that publish does not see it there (``helpers.publish_before`` runs it inside the
+                # server's call). Answers once the injection is in place; "parking_published_at"
+                # then gives the monotonic time of that publish.
                 (mm_hash, shape, dtype, seed), what = args
                 t = make_item(seed, shape, dtype, dev)
                 if dev.startswith("cuda"):
                     torch.cuda.synchronize()
-                published_at: list[float] = []
+                published_at = pending["parking_published_at"] = []
 
                 def publish():
                     ep.publish(mm_hash, t)
                     published_at.append(time.monotonic())
 
                 helpers.publish_before(ep, what, publish)
-                helpers.wait_until(lambda: bool(published_at), 60.0)
+                conn.send(("ok", None))
+            elif cmd == "parking_published_at":
+                # After "publish_while_parking": when its publish ran (None: no request parked in `args` s).
+                published_at = pending.get("parking_published_at", [])
+                helpers.wait_until(lambda: bool(published_at), float(args))
                 conn.send(("ok", published_at[0] if published_at else None))
             elif cmd == "hog_gil":
                 # FAULT INJECTION: a producer busy in Python (encoding) for `args` seconds: the

@@ -117,7 +117,7 @@ def test_an_item_published_while_its_request_parks_is_served_at_once(make_peer, 
     prod = make_peer(ProducerProcess)
     cons = make_consumer(threaded=True, mode="write" if flow == "write" else "read")
     cons.query_stats(prod.address)  # (the link is up first: the time measured is the request's)
-    prod.send("publish_while_parking", (SPEC, "note" if flow == "hold" else "arm"))
+    prod.call("publish_while_parking", (SPEC, "note" if flow == "hold" else "arm"))  # (in place before the request)
     if flow == "hold":
         hold = cons.hold_async(prod.address, [SPEC[0]], timeout=10.0, wait_s=8.0)
         assert cons.wait_for(lambda: hold.done, 10) and hold.states[SPEC[0]].status == "ready", hold.states
@@ -127,7 +127,8 @@ def test_an_item_published_while_its_request_parks_is_served_at_once(make_peer, 
         check(LoadBarrier(cons).wait(tickets, timeout=15.0), [SPEC], device)
         t_done = time.monotonic()
         tickets[0].release()
-    t_pub = prod.result("publish_while_parking", timeout=30)
+    t_pub = prod.call("parking_published_at", 30.0)
+    assert t_pub is not None, "the fault injection never ran: no request reached the hand-off"
     parked = "pushes_parked" if flow == "write" else "holds_parked"
     assert prod.call("stats")["counters"].get(parked, 0) == 1, prod.call("stats")  # (it did park)
     assert t_done - t_pub < IDLE_POLL_S / 2, (f"served {t_done - t_pub:.3f}s after its item was published: "
