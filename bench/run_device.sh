@@ -4,7 +4,7 @@
 # H100; into $OUT/handoff_log.txt and JSON): the hand-off library built there (or the carried
 # ec_nixl/_handoff.so), expect-write / expect-landed traces with the native path and --python-push,
 # idle and busy 2 ms, handoff_floor.py, the waiting-request tests on VRAM, and the bench's
-# expect-write/expect-landed with EC_NIXL_NATIVE=1 and 0.
+# expect-write/expect-landed and the 9.8 MB / 32-item ours-vs-raw goals with EC_NIXL_NATIVE=1 and 0.
 # Assumes the wrapper already did: pip install --no-index --no-deps --target /tmp/site .whl/*.whl
 # Writes into $OUT: bench_gpu.json, bench_gpu.png (if matplotlib), micro_gpu.json, bench_cpu.json,
 # bench_log.txt (everything printed). Expected ~4 min on one H200; hard-bounded at ~9 min by the
@@ -60,9 +60,9 @@ handoff() {
 
   for native in 1 0; do
     echo; echo "$(elapsed) == ec-nixl bench expect-write, EC_NIXL_NATIVE=$native"
-    EC_NIXL_NATIVE=$native timeout -k 5 100 "$PY" -m ec_nixl.cli bench --device cuda --sizes 64K,"$SIZE" \
-        --items 0 --paths expect-write,expect-landed,ours-write,raw-nixl-write,reference-copy \
-        --budget-s 1 --repeats 40 --idle-s 3 --json "$OUT/bench_expect_native$native.json" --timeout 90
+    EC_NIXL_NATIVE=$native timeout -k 5 120 "$PY" -m ec_nixl.cli bench --device cuda --sizes 64K,"$SIZE" \
+        --items 32 --paths expect-write,expect-landed,ours-read,ours-write,raw-nixl-read,raw-nixl-write,reference-copy \
+        --budget-s 1 --repeats 40 --idle-s 3 --json "$OUT/bench_expect_native$native.json" --timeout 110
     echo "$(elapsed) exit code: $?"
   done
   ls -la "$OUT"
