@@ -140,8 +140,9 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: 
         queue = answers.send
 
         def timed_queue(out):
-            queue(out)
+            queued = queue(out)
             marks.setdefault("sent", time.perf_counter())
+            return queued  # (False sends the Grants back to the server: the publish then wakes the loop)
 
         answers.send = timed_queue
     post = ep.transport.post_many
@@ -354,13 +355,14 @@ def main() -> None:
             dt_again = time.perf_counter() - t_again
             for t in second:
                 t.release()
-            t0, t1, t_answer, t_sent, _ = here.recv()
+            t0, t1, t_answer, t_sent, more = here.recv()
             for t in tickets:
                 t.release()
             ep.progress()
             if i >= 5:
                 rows.append([x - t0 for x in (t1, t_answer, t_sent, c_seen, c_loaded, c_landed)])
                 again.append((c_landed - c_read, dt_again))
+                extra.append(more)
     finally:
         stop.set()
         here.send(None)
@@ -370,12 +372,13 @@ def main() -> None:
           f"microseconds after publishing began")
     for k, name in enumerate(WRITE_STEPS if args.write else STEPS):
         print(f"  {name:24s} {_spread([r[k] for r in rows])}")
-    if args.write:  # --marks: the producer's steps, in the order they happen
-        names = sorted({k for m in extra for k in m},
-                       key=lambda k: statistics.median(m.get(k, float("inf")) for m in extra))
-        for name in names:
-            xs = [m[name] for m in extra if name in m]
-            print(f"    {name:22s} {_spread(xs)}   (n={len(xs)})")
+    # The producer's own stamps (the hand-off thread's; with --marks its steps), in their order
+    names = sorted({k for m in extra for k in m},
+                   key=lambda k: statistics.median(m.get(k, float("inf")) for m in extra))
+    for name in names:
+        xs = [m[name] for m in extra if name in m]
+        print(f"    {name:22s} {_spread(xs)}   (n={len(xs)})")
+    if args.write:
         return
     first = sorted(a * 1e6 for a, _ in again)
     hot = sorted(b * 1e6 for _, b in again)
