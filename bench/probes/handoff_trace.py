@@ -34,10 +34,12 @@ steps from taking the parked Push to the post (``_push``, ``claim_pushes``, the 
 ``--spin-ms`` keeps the producer's publishing thread running Python after each publish, as vLLM's
 runner goes on with its step (with ``--gil-switch-ms``: how long our I/O thread then waits for
 the GIL); ``--no-progress-thread`` runs the producer's agent without NIXL's progress thread;
-``--hot-loop`` keeps its I/O thread polling without ever blocking (a probe-only patch).
+``--hot-loop`` keeps its I/O thread polling without ever blocking (a probe-only patch);
+``--wake-loop`` has every publish wake it, as before the publish left it asleep when the hand-off
+answers everything waiting (a probe-only patch: that change's A/B on one machine).
 
     python bench/probes/handoff_trace.py [--device cpu|cuda] [--size 64K] [--n 60] [--quiet-ms MS] [--touch] [--busy]
-                                         [--write [--marks]] [--no-progress-thread] [--hot-loop]
+                                         [--write [--marks]] [--no-progress-thread] [--hot-loop] [--wake-loop]
                                          [--spin-ms MS] [--gil-switch-ms MS] [--python-push] [--barrier-spin-ms MS]
 """
 
@@ -114,7 +116,8 @@ def split_post(ep, marks: dict) -> None:
 
 def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: float = 0.0,
              write: bool = False, marked: bool = False, prog_thread: bool | None = None,
-             spin_s: float = 0.0, gil: dict | None = None, hot_loop: bool = False) -> None:
+             spin_s: float = 0.0, gil: dict | None = None, hot_loop: bool = False,
+             wake_loop: bool = False) -> None:
     import torch
 
     from ec_nixl.config import EndpointConfig
@@ -167,6 +170,9 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: 
         hx.take = timed_take
     if marked:
         mark_calls(ep, marks)
+    if wake_loop:  # --wake-loop: every publish wakes the I/O thread, as if something went back to it
+        on_publish = ep.items._on_publish
+        ep.items._on_publish = lambda back: on_publish(True)
     if hot_loop:  # --hot-loop: the I/O thread polls without blocking (its core never idles)
         ep.loop._idle_timeout = lambda: 0.0
     waits_for = "pushes_parked" if write else "holds_parked"
@@ -200,6 +206,9 @@ def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: 
     if rates:
         print(f"  producer's publishing thread: {statistics.median(rates):.0f} loop iterations per ms while it "
               f"went on after the publish (p50; GIL switch interval {sys.getswitchinterval() * 1e3:g} ms)", flush=True)
+    c = ep.metrics.counters  # how the publishes went: natively, or by waking the I/O thread
+    print("  producer: " + ", ".join(f"{k} {c.get(k, 0)}" for k in (
+        "published", "native_answers", "native_pushes", "publish_wakes")), flush=True)
     ep.close()
 
 
@@ -252,6 +261,9 @@ def main() -> None:
     ap.add_argument("--hot-loop", action="store_true",
                     help="the producer's I/O thread never blocks between rounds (a probe-only patch): is the "
                          "cost of its NIXL calls the cost of waking an idle core?")
+    ap.add_argument("--wake-loop", action="store_true",
+                    help="every publish wakes the producer's I/O thread (a probe-only patch), as before the "
+                         "publish left it asleep when the hand-off answers all that waits (code before 4389dbb)")
     ap.add_argument("--barrier-spin-ms", type=float, default=None,
                     help="how long the consumer's barrier spins before it blocks between rounds (read_lane.SPIN_S; "
                          "default: the library's, 20 ms with 4 CPUs or more, else 0.5 ms)")
@@ -279,7 +291,7 @@ def main() -> None:
                                               ({} if args.gil_switch_ms is None else
                                                {"gil_switch_interval_s": args.gil_switch_ms / 1e3 or None})
                                               | ({"native_handoff": False} if args.python_push else {}),
-                                              args.hot_loop), daemon=True)
+                                              args.hot_loop, args.wake_loop), daemon=True)
     proc.start()
     addr = here.recv()
     ep = Endpoint(EndpointConfig(name="trace-cons", device=args.device, pool_bytes=max(64 << 20, 8 * nbytes),
