@@ -291,15 +291,31 @@ def test_handoff_trace_probe_runs():
     assert r.returncode == 0, r.stderr[-3000:]
     assert "6 hand-offs" in r.stdout and "barrier returned" in r.stdout, r.stdout[-2000:]
     assert "the same item again right after" in r.stdout, r.stdout[-2000:]
+    published, native, wakes = _producer_counts(r.stdout, "native_answers")
+    if native:  # the probe's stamps leave the native answer as it is: no publish wakes E's I/O thread
+        assert wakes == 0, r.stdout[-2000:]
+
+
+def _producer_counts(out: str, native: str) -> tuple[int, int, int]:
+    """(published, ``native`` answers or pushes, publish_wakes) from the trace producer's line."""
+    import re
+
+    m = re.search(r"producer: published (\d+), native_answers (\d+), native_pushes (\d+), publish_wakes (\d+)", out)
+    assert m, out[-2000:]
+    published, answers, pushes, wakes = map(int, m.groups())
+    return published, answers if native == "native_answers" else pushes, wakes
 
 
 def test_handoff_trace_probe_traces_a_write_at_publish():
     """The same with --write (``expect-write``): a parked Push on a write-mode link, real NIXL
     DRAM WRITEs started by the publish, the WRITE's notification stamped (by default the publish
-    starts it through the native hand-off, where the library is built)."""
-    r = _probe("handoff_trace.py", "--size", "64K", "--n", "6", "--write")
+    starts it through the native hand-off, where the library is built); --wake-loop has every
+    publish wake the producer's I/O thread as well (the A/B of code before 4389dbb)."""
+    r = _probe("handoff_trace.py", "--size", "64K", "--n", "6", "--write", "--wake-loop")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "64K write: 6 hand-offs" in r.stdout and "consumer saw WRITE done" in r.stdout, r.stdout[-2000:]
+    published, _, wakes = _producer_counts(r.stdout, "native_pushes")
+    assert published == 11 and wakes == published, r.stdout[-2000:]  # --wake-loop: every publish woke it
 
 
 def test_handoff_floor_probe_runs():
