@@ -663,11 +663,17 @@ def test_a_silent_producer_gets_no_early_admissions(producer, consumer_sides):
 def test_an_early_item_its_producer_refuses_waits_at_the_gate(producer, consumer_sides):
     """An early-admitted request that vLLM could not schedule yet, whose Hold then answers MISSING,
     goes back to the gated path: has_cache_item says False (vLLM would encode it, not load it),
-    MISSING is retried for ``missing_grace_s``, then the item is encoded locally."""
+    MISSING is retried for ``missing_grace_s``, then the item is encoded locally. The producer is
+    frozen (SIGSTOP) during the first call, so its answer comes after it (an answer there already
+    reverts the request in that same call, which then returns False: 4 of 17 runs on the 2-core box)."""
     vc, sched, worker = consumer_sides({"missing_grace_s": "0.3"})
     _warm(sched, producer)
     req = request("m", [feature("nothere")], params_for("nothere", producer.address))
-    assert sched.ensure_cache_available(req, 0) is True and sched.has_cache_item("nothere")
+    producer.stop()
+    try:
+        assert sched.ensure_cache_available(req, 0) is True and sched.has_cache_item("nothere")
+    finally:
+        producer.cont()
     hold = sched._reqs["m"].items["nothere"].hold
     assert sched.endpoint.wait_for(lambda: hold.done, 10) and hold.states["nothere"].status == "MISSING"
     assert sched.ensure_cache_available(req, 0) is False, "a refused early item stays admitted"
