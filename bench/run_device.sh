@@ -40,12 +40,14 @@ handoff() {
   for spin in 0 2; do
     trace "expect-write native" --write --spin-ms "$spin"
     trace "expect-write native, every publish wakes E's I/O thread (as before 4389dbb)" --write --spin-ms "$spin" --wake-loop
+    trace "expect-write native, the hand-off thread asleep until the publish (its spin off)" --write --spin-ms "$spin" --handoff-spin-ms 0
     trace "expect-write native, barrier spin 0.5 ms (the small-host rule)" --write --spin-ms "$spin" --barrier-spin-ms 0.5
     # (the Python path at 0.2 ms: its best setting, the default until native answers; the native
     # path at the default, which leaves the interpreter alone)
     trace "expect-write python" --write --python-push --spin-ms "$spin" --gil-switch-ms 0.2
     trace "expect-landed native" --spin-ms "$spin"
     trace "expect-landed native, every publish wakes E's I/O thread (as before 4389dbb)" --spin-ms "$spin" --wake-loop
+    trace "expect-landed native, the hand-off thread asleep until the publish (its spin off)" --spin-ms "$spin" --handoff-spin-ms 0
     trace "expect-landed python" --python-push --spin-ms "$spin" --gil-switch-ms 0.2
   done
 

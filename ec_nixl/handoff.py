@@ -39,6 +39,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ARMED, FIRED, POSTED, DONE, FAILED, CANCELLED = 1, 2, 3, 4, 5, 6
 STATES = {0: "UNKNOWN", ARMED: "ARMED", FIRED: "FIRED", POSTED: "POSTED", DONE: "DONE", FAILED: "FAILED",
           CANCELLED: "CANCELLED"}
+SPIN_S = 0.02 if has_spare_cpus() else 0.0
+"""How long the thread spins for the publish after a push is armed or a Hold noted (``expect``),
+before it sleeps: a publish that finds it awake is served at once, where waking a thread asleep
+for long cost 100-240 us on an idle H100 host (bench/RESULTS.md). As the consumer's barrier
+(``read_lane.SPIN_S``): only where 4 CPUs or more are the process's; none on small hosts, where a
+spinning thread takes the core the publisher and the consumer need."""
 CAPACITY = 256
 """Entries at most (armed, in flight, or finished and not taken yet): a push that finds the table
 full is posted in Python, as without the library."""
@@ -70,7 +76,8 @@ def load_library() -> tuple[Optional[ctypes.PyDLL], str]:
             "hx_count": ([VP], ctypes.c_int),
             "hx_stop": ([VP], None),
             "hx_answer_socket": ([VP, VP, VP], None),
-            "hx_send": ([VP, i64, VP, ctypes.c_char_p, SZ, ctypes.c_char_p, SZ], ctypes.c_int)}
+            "hx_send": ([VP, i64, VP, ctypes.c_char_p, SZ, ctypes.c_char_p, SZ], ctypes.c_int),
+            "hx_expect": ([VP], None)}
     for name, (args, res) in sigs.items():
         try:
             fn = getattr(lib, name)
@@ -154,15 +161,15 @@ class NativeHandoff:
         """Readable once entries ended since the last ``drain_done``: the owner's poller watches it."""
 
     @classmethod
-    def attach(cls, agent, cuda: bool, spin_us: float = 0.0,
+    def attach(cls, agent, cuda: bool, spin_us: Optional[float] = None,
                poll_spin_us: Optional[float] = None) -> tuple[Optional["NativeHandoff"], str]:
         """An executor over ``agent`` (a ``nixl_agent`` made with ``NIXL_THREAD_SYNC_STRICT``), or
         (None, why not). ``cuda``: items are in VRAM (the thread waits on their CUDA events in
         this process's current context). ``spin_us``: how long the thread spins for a publish
-        while an entry is armed before it sleeps (0 on small hosts: a spinning thread takes the
-        core the publisher and the consumer need). ``poll_spin_us``: how long it polls a posted
-        WRITE without sleeping after the post (default: the pusher's, ``pusher.PUSH_SPIN_S``: 0.5
-        ms where the process has spare CPUs, else 0), then it sleeps 20-200 us between polls."""
+        after an arm or an ``expect`` before it sleeps (default ``SPIN_S``). ``poll_spin_us``: how
+        long it polls a posted WRITE without sleeping after the post (default: the pusher's,
+        ``pusher.PUSH_SPIN_S``: 0.5 ms where the process has spare CPUs, else 0), then it sleeps
+        20-200 us between polls."""
         lib, why = load_library()
         if lib is None:
             return None, why
@@ -199,6 +206,8 @@ class NativeHandoff:
                 return None, f"the CUDA driver API is not reachable ({e})"
         else:
             fns += [None, None]
+        if spin_us is None:
+            spin_us = SPIN_S * 1e6
         if poll_spin_us is None:  # as the pusher's PUSH_SPIN_S
             poll_spin_us = 500.0 if has_spare_cpus() else 0.0
         done_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -265,6 +274,12 @@ class NativeHandoff:
         """Take the answer socket back (returns once no send uses it): the caller may close it."""
         if self._h is not None:
             self._lib.hx_answer_socket(self._h, None, None)
+
+    def expect(self) -> None:
+        """Owner: a publish will answer a request that waits now (a noted Hold or Get): the thread
+        spins for it a while (``SPIN_S``; arming a push does the same)."""
+        if self._h is not None:
+            self._lib.hx_expect(self._h)
 
     def send(self, key: int, cuda_event: Optional[int], identity: bytes, body: bytes) -> bool:
         """Publisher: send ``body`` to the peer routed as ``identity`` on the answer socket once

@@ -82,6 +82,7 @@ class NativeAnswers:
             self._noted[(sid, msg.req)] = n
             for h in n.missing:
                 self._waiting.setdefault(h, []).append(n)
+        self.hx.expect()
         return True
 
     def settle(self, sid: str, req: int, alive: bool) -> str:

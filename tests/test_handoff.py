@@ -189,6 +189,62 @@ def test_many_writes_in_flight_each_land_once(rig):
         assert _block(conn, k) == bytes(src[(NBLOCKS - 1 - k) * BLOCK:(NBLOCKS - k) * BLOCK].numpy())
 
 
+def _hx_threads() -> set[str]:
+    """This process's hand-off threads (the library names them ``ec-nixl-hx``)."""
+    import glob
+
+    out = set()
+    for comm in glob.glob("/proc/self/task/*/comm"):
+        with open(comm) as f:
+            if f.read().strip() == "ec-nixl-hx":
+                out.add(comm.split("/")[-2])
+    return out
+
+
+def _on_cpu_s(tid: str) -> float:
+    """Seconds thread ``tid`` of this process has run (schedstat's first field, in ns)."""
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0]) * 1e-9
+
+
+def test_an_expected_publish_finds_the_thread_awake_for_a_bounded_while(rig):
+    """With a spin (``handoff.SPIN_S``, 20 ms where 4 CPUs or more are the process's; 50 ms set
+    here on any host): a noted Hold (``expect``) or an armed push wakes the sleeping thread, which
+    spins for the publish and then sleeps again; a push fired during the spin lands as any other.
+    Asleep, the thread runs for nothing (it waits on a futex)."""
+    _, local, remote, src, conn, a = rig
+    before = _hx_threads()
+    hx, why = handoff.NativeHandoff.attach(a, cuda=False, spin_us=50_000)
+    assert hx is not None, why
+    try:
+        (tid,) = _hx_threads() - before
+        time.sleep(0.1)
+
+        def ran_within(seconds: float) -> float:
+            t0 = _on_cpu_s(tid)
+            time.sleep(seconds)
+            return _on_cpu_s(tid) - t0
+
+        assert ran_within(0.1) < 0.005, "an idle hand-off thread ran"
+        hx.expect()
+        assert ran_within(0.04) > 0.005, "the thread did not spin for an expected publish"
+        time.sleep(0.03)  # the 50 ms bound is over
+        assert ran_within(0.1) < 0.005, "the spin outlived its bound"
+        _notifs(conn)
+        assert hx.arm(40, remote, remote_block=12, capacity=1, notif=b"item-40")
+        time.sleep(0.01)  # fired while the thread spins for it
+        assert hx.fire(40, local, local_block=7, nblocks=1)
+        out = _until_final(hx, 40)
+        assert out.state == "DONE", out
+        assert _block(conn, 12) == bytes(src[7 * BLOCK:8 * BLOCK].numpy())
+        deadline, got = time.monotonic() + 5, []
+        while b"item-40" not in got and time.monotonic() < deadline:
+            got += _notifs(conn)
+        assert got == [b"item-40"]
+    finally:
+        hx.close()
+
+
 def test_attach_says_why_not_when_the_library_is_off(monkeypatch):
     monkeypatch.setenv("EC_NIXL_NATIVE", "0")
     hx, why = handoff.NativeHandoff.attach(object(), cuda=False)

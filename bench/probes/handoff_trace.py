@@ -41,6 +41,7 @@ answers everything waiting (a probe-only patch: that change's A/B on one machine
     python bench/probes/handoff_trace.py [--device cpu|cuda] [--size 64K] [--n 60] [--quiet-ms MS] [--touch] [--busy]
                                          [--write [--marks]] [--no-progress-thread] [--hot-loop] [--wake-loop]
                                          [--spin-ms MS] [--gil-switch-ms MS] [--python-push] [--barrier-spin-ms MS]
+                                         [--handoff-spin-ms MS]
 """
 
 from __future__ import annotations
@@ -117,12 +118,16 @@ def split_post(ep, marks: dict) -> None:
 def producer(conn, device: str, nbytes: int, shape: tuple, dtype: str, quiet_s: float = 0.0,
              write: bool = False, marked: bool = False, prog_thread: bool | None = None,
              spin_s: float = 0.0, gil: dict | None = None, hot_loop: bool = False,
-             wake_loop: bool = False) -> None:
+             wake_loop: bool = False, handoff_spin_s: float | None = None) -> None:
     import torch
 
     from ec_nixl.config import EndpointConfig
     from ec_nixl.endpoint import Endpoint
 
+    if handoff_spin_s is not None:  # --handoff-spin-ms: a probe-only patch of the producer
+        import ec_nixl.handoff as handoff
+
+        handoff.SPIN_S = handoff_spin_s
     ep = Endpoint(EndpointConfig(name="trace-prod", device=device, listen="127.0.0.1:0",
                                  pool_bytes=max(64 << 20, 8 * nbytes), nixl_progress_thread=prog_thread,
                                  **(gil or {})))
@@ -264,6 +269,9 @@ def main() -> None:
     ap.add_argument("--wake-loop", action="store_true",
                     help="every publish wakes the producer's I/O thread (a probe-only patch), as before the "
                          "publish left it asleep when the hand-off answers all that waits (code before 4389dbb)")
+    ap.add_argument("--handoff-spin-ms", type=float, default=None,
+                    help="how long the producer's hand-off thread spins for the publish once a push is armed or "
+                         "a Hold noted (handoff.SPIN_S; default: the library's, 20 ms with 4 CPUs or more, else 0)")
     ap.add_argument("--barrier-spin-ms", type=float, default=None,
                     help="how long the consumer's barrier spins before it blocks between rounds (read_lane.SPIN_S; "
                          "default: the library's, 20 ms with 4 CPUs or more, else 0.5 ms)")
@@ -291,7 +299,9 @@ def main() -> None:
                                               ({} if args.gil_switch_ms is None else
                                                {"gil_switch_interval_s": args.gil_switch_ms / 1e3 or None})
                                               | ({"native_handoff": False} if args.python_push else {}),
-                                              args.hot_loop, args.wake_loop), daemon=True)
+                                              args.hot_loop, args.wake_loop,
+                                              None if args.handoff_spin_ms is None else args.handoff_spin_ms / 1e3),
+                           daemon=True)
     proc.start()
     addr = here.recv()
     ep = Endpoint(EndpointConfig(name="trace-cons", device=args.device, pool_bytes=max(64 << 20, 8 * nbytes),
