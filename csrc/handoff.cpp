@@ -84,7 +84,7 @@ struct hx {
   int done_fd;          // eventfd written once a pass ended entries (-1: none)
   zmq_send_fn zsend;
   void *zsock;
-  std::atomic<uint32_t> work{0};      // bumped by every fire/cancel/stop: the thread's futex word
+  std::atomic<uint32_t> work{0};      // bumped by every fire/cancel/stop/expect: the thread's futex word
   std::atomic<uint32_t> sleeping{0};  // the thread is (about to be) in futex_wait
   std::atomic<int> stop{0};
   std::atomic<double> expect_until{0.0};  // a publish is expected until then: the thread spins
