@@ -64,7 +64,8 @@ class EndpointConfig:
     It needs the library built (setup.py) and the nixl wheel's C API; without them, or False,
     pushes are posted by the endpoint's I/O thread in Python. Its thread sleeps when nothing is
     in flight or expected (where 4 CPUs or more are the process's it spins up to 20 ms for the
-    publish a parked Push or Hold waits for: ``handoff.SPIN_S``). The agent then locks around its calls (NIXL_THREAD_SYNC_STRICT). The same
+    publish a parked Push or Hold waits for: ``handoff.SPIN_S``). The agent then locks around
+    its calls (NIXL_THREAD_SYNC_STRICT). The same
     thread sends the Grant of a parked Hold or Get when the publish completes it, from a second
     listening socket (``answer_port``; ec_nixl/native_answers.py)."""
     native_answers: bool = True

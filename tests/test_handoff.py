@@ -8,6 +8,7 @@ is a real NIXL failure (a request naming blocks outside the peer's list), not a 
 
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import select
 import time
@@ -104,6 +105,14 @@ def _notifs(conn) -> list:
     return conn.recv()
 
 
+def _notifs_until(conn, msg: bytes, timeout: float = 5.0) -> list:
+    """The peer's notifications until ``msg`` is among them (or ``timeout``), all of them."""
+    deadline, got = time.monotonic() + timeout, []
+    while msg not in got and time.monotonic() < deadline:
+        got += _notifs(conn)
+    return got
+
+
 def test_armed_write_fired_by_the_publish_lands_with_its_notification(rig):
     hx, local, remote, src, conn, _ = rig
     _notifs(conn)
@@ -118,11 +127,7 @@ def test_armed_write_fired_by_the_publish_lands_with_its_notification(rig):
     out = _until_final(hx, 1)
     assert out.state == "DONE", out
     assert out.t_fired <= out.t_posted <= out.t_done
-    deadline = time.monotonic() + 5
-    got = []
-    while b"item-1" not in got and time.monotonic() < deadline:
-        got += _notifs(conn)
-    assert got == [b"item-1"]
+    assert _notifs_until(conn, b"item-1") == [b"item-1"]
     for k in (0, 1):  # the peer's blocks 5-6 hold our blocks 3-4
         assert _block(conn, 5 + k) == bytes(src[(3 + k) * BLOCK:(4 + k) * BLOCK].numpy())
     assert hx.take(1).state == "UNKNOWN"  # taken once final: the key is free again
@@ -191,8 +196,6 @@ def test_many_writes_in_flight_each_land_once(rig):
 
 def _hx_threads() -> set[str]:
     """This process's hand-off threads (the library names them ``ec-nixl-hx``)."""
-    import glob
-
     out = set()
     for comm in glob.glob("/proc/self/task/*/comm"):
         with open(comm) as f:
@@ -237,10 +240,7 @@ def test_an_expected_publish_finds_the_thread_awake_for_a_bounded_while(rig):
         out = _until_final(hx, 40)
         assert out.state == "DONE", out
         assert _block(conn, 12) == bytes(src[7 * BLOCK:8 * BLOCK].numpy())
-        deadline, got = time.monotonic() + 5, []
-        while b"item-40" not in got and time.monotonic() < deadline:
-            got += _notifs(conn)
-        assert got == [b"item-40"]
+        assert _notifs_until(conn, b"item-40") == [b"item-40"]
     finally:
         hx.close()
 
