@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -59,6 +59,8 @@ class Endpoint:
     def __init__(self, cfg: EndpointConfig):
         self.cfg = cfg
         self.metrics = Metrics()
+        self.stats_extra: Optional[Callable[[], dict]] = None
+        """What an owner adds to ``stats()`` (a vLLM scheduler: its own and its workers' counters)."""
         self.me = Identity.of(cfg)
         self.loop = OwnerLoop(cfg.name)
         self.pool: Optional[Pool] = None
@@ -256,6 +258,7 @@ class Endpoint:
         snap = self.metrics.snapshot()
         if self.pool is not None:
             snap["pool"] = vars(self.pool.stats())
+            snap["mem_type"] = self.pool.arena.mem_type
         snap["items"] = len(self.items) if self.items is not None else 0
         snap["sessions"] = len(self.server) if self.server is not None else 0
         if self.items is not None and len(self.items) <= STATS_DETAIL_MAX:
@@ -269,6 +272,8 @@ class Endpoint:
             snap["native_armed"] = self.items.native.armed()  # parked pushes whose publish will start them
         if self.items is not None and self.items.answers is not None:
             snap["native_noted"] = len(self.items.answers)  # parked Holds/Gets a publish may answer
+        if self.stats_extra is not None:
+            snap["connector"] = self.stats_extra()
         return snap
 
     # --- shutdown --------------------------------------------------------------------

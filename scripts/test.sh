@@ -10,12 +10,12 @@
 # GPU tests (marker `gpu`) skip by design where there is no CUDA device. A run that executes
 # no test at all fails.
 #
-# Then, for each vLLM version in EC_NIXL_VLLM_VERSIONS (default "0.33.0 0.34.0" when no pytest args
+# Then, for each vLLM version in EC_NIXL_VLLM_VERSIONS (default "0.26.0 0.33.0 0.34.0" when no pytest args
 # are given, none otherwise), builds or reuses .venv-vllm-VERSION with that official vLLM wheel
 # (scripts/setup_vllm_venv.sh) and runs the adapter tests that use vLLM's real types there
 # (VLLM_TESTS below) on vLLM's CPU platform. Each version's run must pass and collect tests.
 #
-# Disk: the three venvs take ~4 + 10 + 10 GB (the official vLLM wheels pull CUDA torch and its
+# Disk: the four venvs take ~4 + 10 + 10 + 10 GB (the official vLLM wheels pull CUDA torch and its
 # nvidia-* libraries) plus pip's cache of the downloads. A CI machine can have much less free, so
 # with CI=true (or EC_NIXL_DROP_VENVS=1) pip keeps no cache and each venv is deleted once its tests
 # have run: the peak is one venv and its downloads. The free space is printed before each stage.
@@ -23,7 +23,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${EC_NIXL_VENV:-.venv}
 VLLM_TESTS=(tests/test_vllm_adapter.py tests/test_vllm_mrv2.py tests/test_vllm_v1_runner.py tests/test_vllm_compat.py)
-if [ $# -eq 0 ]; then VERSIONS=${EC_NIXL_VLLM_VERSIONS-0.33.0 0.34.0}; else VERSIONS=${EC_NIXL_VLLM_VERSIONS-}; fi
+if [ $# -eq 0 ]; then VERSIONS=${EC_NIXL_VLLM_VERSIONS-0.26.0 0.33.0 0.34.0}; else VERSIONS=${EC_NIXL_VLLM_VERSIONS-}; fi
 DROP=${EC_NIXL_DROP_VENVS:-$([ "${CI:-}" = true ] && echo 1 || echo 0)}
 [ "$DROP" != 1 ] || export PIP_NO_CACHE_DIR=1
 disk() { df -Ph . | awk -v what="$1" 'NR==2 {print "test.sh: " what ": " $4 " free on " $6}'; }
@@ -42,7 +42,7 @@ deactivate
 drop "$VENV"
 
 if [ -z "$VERSIONS" ]; then
-    echo "test.sh: no runs against other vLLM versions (pytest args given; EC_NIXL_VLLM_VERSIONS=\"0.33.0 0.34.0\" adds them)"
+    echo "test.sh: no runs against other vLLM versions (pytest args given; EC_NIXL_VLLM_VERSIONS=\"0.26.0 0.33.0 0.34.0\" adds them)"
 fi
 for v in $VERSIONS; do
     vv=.venv-vllm-$v

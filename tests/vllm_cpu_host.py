@@ -4,6 +4,10 @@
 * The official wheels (0.33.0, 0.34.0) are GPU builds: without a GPU, vLLM finds no platform and
   ``DeviceConfig`` fails ("Device string must not be empty"). ``VLLM_TARGET_DEVICE=cpu`` selects
   vLLM's own CPU platform class (scripts/test.sh sets it for those venvs; set here as a default).
+* vLLM 0.26 picks its CPU platform only in its CPU build (or on macOS), whatever
+  ``VLLM_TARGET_DEVICE`` says, and resolves the platform while ``import vllm`` runs: its venv
+  gets a platform plugin (``vllm.platform_plugins``, installed by scripts/setup_vllm_venv.sh)
+  that names vLLM's own ``CpuPlatform`` when ``VLLM_TARGET_DEVICE=cpu``.
 * vLLM 0.34's CPU platform refuses x86 hosts without a Triton CPU backend when the config is
   made (``RuntimeError: vLLM on x86 CPUs requires Triton (triton-cpu).``); triton-cpu is not on
   PyPI. ``create_engine_config`` therefore tells that one check Triton is present, for the

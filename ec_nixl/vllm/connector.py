@@ -2,7 +2,8 @@
 
 vLLM builds the connector twice per engine: once in the EngineCore (role SCHEDULER) and once in
 every worker rank (role WORKER). Each hook goes to the delegate of its role
-(``scheduler.SchedulerSide`` or ``worker.WorkerSide``); nothing else happens here.
+(``scheduler.SchedulerSide`` or ``worker.WorkerSide``). On a vLLM that lacks some hooks
+(``hooks``: 0.26), the call that stands in for each is made here, from the hook vLLM does call.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any, Optional
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
 
+from ec_nixl.errors import ConfigError
+import ec_nixl.vllm.hooks as hooks
 from ec_nixl.vllm.metadata import NixlECMetadata
 from ec_nixl.vllm.options import parse_extra, placement
 from ec_nixl.vllm.stats import NixlECConnectorStats, NixlECPromMetrics
@@ -39,6 +42,10 @@ class NixlECConnector(ECConnectorBase):
         _log_like_vllm()
         ec = vllm_config.ec_transfer_config
         self.opts = parse_extra(ec.ec_connector_extra_config)
+        if not hooks.FAILS_REQUESTS and self.opts.fallback != "auto":
+            raise ConfigError(f"fallback {self.opts.fallback!r} needs a vLLM that can fail a request from its EC "
+                              "connector (take_unavailable_requests, vLLM >= 0.32); this vLLM has no such hook: use "
+                              "fallback 'auto' (every item of this vLLM carries its media and can be encoded here)")
         self.scheduler = self.worker = None
         if role == ECConnectorRole.SCHEDULER:
             from ec_nixl.vllm.scheduler import SchedulerSide
@@ -48,6 +55,14 @@ class NixlECConnector(ECConnectorBase):
             from ec_nixl.vllm.worker import WorkerSide
 
             self.worker = WorkerSide(vllm_config, self.opts, placement(vllm_config, worker=True))
+            if not hooks.WORKER_SERVICES:
+                # vLLM < 0.32 never calls start_worker_services. It creates this connector after
+                # setting the worker's device and before its memory snapshot: start here, and keep
+                # a VRAM pool inside gpu_memory_utilization (vLLM >= 0.32 counts it itself).
+                logger.info("NixlECConnector: this vLLM lacks %s; ec-nixl stands in for them (ec_nixl.vllm.hooks)",
+                            ", ".join(hooks.missing()))
+                self.worker.start_services()
+                self.worker.count_pool_in_budget()
 
     def _meta(self) -> NixlECMetadata:
         meta = self._get_connector_metadata()
@@ -75,7 +90,12 @@ class NixlECConnector(ECConnectorBase):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         if self.worker is not None:
+            meta = self._connector_metadata
+            if not hooks.SAVE_PREP and self.is_producer and isinstance(meta, NixlECMetadata):
+                self.worker.publish_again(meta)  # vLLM < 0.32: no start_save_caches
             self.worker.get_finished()
+            if not hooks.WORKER_REPORTS:
+                self.worker.send_report()  # vLLM < 0.32: no worker meta to the scheduler
         return None, None
 
     def build_connector_worker_meta(self):

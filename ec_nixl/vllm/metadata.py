@@ -16,12 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata, ECConnectorWorkerMetadata
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
 
 from ec_nixl import protocol as P
 from ec_nixl.config import split_address
 from ec_nixl.errors import ECNixlError
 from ec_nixl.params import PARAMS_KEY, PARAMS_VERSION
+from ec_nixl.vllm.hooks import WorkerMetadataBase
 
 @dataclass(frozen=True)
 class RemoteItem:
@@ -56,7 +57,7 @@ class NixlECMetadata(ECConnectorMetadata):
 
 
 @dataclass
-class NixlECWorkerMeta(ECConnectorWorkerMetadata):
+class NixlECWorkerMeta(WorkerMetadataBase):
     """Per-rank outcomes, concatenated across ranks (ranks report in different steps)."""
 
     loaded: list[tuple[int, str]] = field(default_factory=list)  # (rank, mm_hash)
@@ -64,7 +65,7 @@ class NixlECWorkerMeta(ECConnectorWorkerMetadata):
     stats: Optional[dict] = None
     rerouted: list[tuple[int, str, str, str]] = field(default_factory=list)  # failed, encoded locally instead
 
-    def aggregate(self, other: "ECConnectorWorkerMetadata") -> "NixlECWorkerMeta":
+    def aggregate(self, other: Any) -> "NixlECWorkerMeta":
         if not isinstance(other, NixlECWorkerMeta):
             return self
         from ec_nixl.vllm.stats import merge_data

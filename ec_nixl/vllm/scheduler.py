@@ -61,7 +61,8 @@ from ec_nixl.vllm.metadata import LoadSpec, NixlECMetadata, NixlECWorkerMeta
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
 from ec_nixl.vllm.producers import ProducerView
 from ec_nixl.vllm.worker_report import apply as apply_worker_report
-from ec_nixl.vllm.stats import NixlECConnectorStats, merge_data
+from ec_nixl.vllm.stand_ins import SchedulerStandIns
+from ec_nixl.vllm.stats import NixlECConnectorStats, StatsBook
 from ec_nixl.vllm.transfers import TransferIds
 
 logger = logging.getLogger("ec_nixl.vllm")
@@ -103,6 +104,7 @@ class SchedulerSide:
         self.place = place
         self.facts = FeatureFacts(vllm_config)
         self.metrics = Metrics()
+        self.counts = StatsBook(self.metrics)  # this interval's and the running totals
         self.announcer = Announcer(self.facts, opts, place)  # producer: what a finished request announces
         self.endpoint: Optional[Endpoint] = None
         self.transfers = TransferIds()  # push flow: the transfer ids of our requests' items
@@ -111,6 +113,7 @@ class SchedulerSide:
             self.endpoint = _control_endpoint(endpoint_config(place, opts, compat_fields(vllm_config, opts),
                                                               control_only=True))
             self.producers = ProducerView(self.endpoint, place.readers, opts.prefetch_defer_s)
+            self.endpoint.stats_extra = self.counts.totals  # `ec-nixl status` on the PD's ec_port
             if self.endpoint.server is not None:  # the PD's control port: vLLM EPD routers' cancels
                 self.endpoint.server.on_cancel = self.transfers.cancel
         self._reqs: dict[str, Admission] = {}
@@ -123,7 +126,7 @@ class SchedulerSide:
         self._busy = False  # the last step scheduled tokens: a new load would stall a batch
         self._idle_blocked_step = -1  # the step in which an idle engine last blocked for a Hold answer
         self._unavailable: set[str] = set()
-        self._worker_stats: Optional[dict] = None
+        self.stand_ins = SchedulerStandIns(place)  # for the hooks this vLLM lacks (< 0.32)
         self._release: list[str] = []
         self._loaded: set[str] = set()  # remote items handed to workers, not yet released
         self._with_step: collections.deque[NixlECMetadata] = collections.deque()
@@ -397,6 +400,7 @@ class SchedulerSide:
                                         media and self.opts.fallback == "auto"))
             self._loaded.add(h)
             self._prefetched.discard(h)
+            self.stand_ins.loaded(request, index)
         elif self.place.is_producer:
             self.announcer.encoded(request.request_id, h)
 
@@ -408,6 +412,10 @@ class SchedulerSide:
             self._release.append(h)
 
     def build_connector_meta(self, scheduler_output) -> NixlECMetadata:
+        for report in self.stand_ins.reports():  # (vLLM < 0.32 sends no worker meta to update_connector_output)
+            self.update_connector_output(report)
+        for request, index in self.stand_ins.committed_before(scheduler_output):  # (< 0.32: no such hook)
+            self.update_state_after_free(request, index)
         self._cancel_waiting()
         self._place_loads()
         self._busy = _runs(scheduler_output)
@@ -435,13 +443,13 @@ class SchedulerSide:
                     self._give_up(adm, h, it, "CANCELLED: the router abandoned its transfer")
 
     def update_connector_output(self, output) -> None:
-        m = getattr(output, "ec_connector_worker_meta", None)
+        m = getattr(output, "ec_connector_worker_meta", output)  # (or a report_channel report itself)
         if not isinstance(m, NixlECWorkerMeta):
             return
         self._unavailable |= apply_worker_report(m, self._reqs, self.producers, self.metrics)
         if m.stats:
             self.producers.learn(m.stats)
-            self._worker_stats = merge_data(self._worker_stats, m.stats)
+            self.counts.add_workers(m.stats)
 
     def take_unavailable_requests(self) -> set[str]:
         out, self._unavailable = self._unavailable, set()
@@ -451,6 +459,8 @@ class SchedulerSide:
 
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
         adm = self._reqs.pop(request.request_id, None)
+        for i in self.stand_ins.finished(request):
+            self.update_state_after_free(request, i)
         self.transfers.forget(request.request_id)
         loaded_here: set[str] = set()  # ec_both: items that came from another producer
         if adm is not None:
@@ -479,12 +489,11 @@ class SchedulerSide:
     # ================================================================ both
 
     def get_stats(self) -> Optional[NixlECConnectorStats]:
-        data = merge_data(self.metrics.snapshot(reset=True), self._worker_stats)
-        self._worker_stats = None
-        stats = NixlECConnectorStats(data)
+        stats = NixlECConnectorStats(self.counts.take_interval())
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None
+        self.stand_ins.close()

@@ -9,11 +9,24 @@ feeds Prometheus with per-engine labels.
 from __future__ import annotations
 
 import statistics
+import threading
 from typing import Any, Optional
 
-from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
-
 from ec_nixl.metrics import COUNTERS, PHASES
+import ec_nixl.vllm.hooks as hooks
+
+if hooks.STATS:
+    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
+else:  # vLLM 0.26: no connector stats anywhere; ours still aggregate (ec-nixl status reads them)
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class ECConnectorStats:  # type: ignore[no-redef]
+        data: dict[str, Any] = field(default_factory=dict)
+
+    class ECConnectorPromMetrics:  # type: ignore[no-redef]
+        def __init__(self, *_args, **_kw):
+            raise NotImplementedError("this vLLM has no EC connector Prometheus metrics (vLLM >= 0.32 has)")
 
 _LISTS = ("xfer_s", "post_s", "sizes", "wait_s")
 
@@ -46,6 +59,33 @@ def merge_data(a: Optional[dict], b: Optional[dict], cap: int = 8192) -> dict:
         out["link_mode_at"].update(src.get("link_mode_at") or {})
         out["pool"].update(src.get("pool") or {})  # latest occupancy per rank
     return out
+
+
+class StatsBook:
+    """A scheduler's counters and its workers', per interval (what vLLM takes with
+    ``get_ec_connector_stats``) and since start (what ``ec-nixl status`` shows: vLLM < 0.32 has no
+    other place to show them). The endpoint's I/O thread reads the totals: one lock for both."""
+
+    def __init__(self, metrics) -> None:
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._workers: Optional[dict] = None  # reported since the last interval was taken
+        self._taken: Optional[dict] = None  # every interval taken, summed
+
+    def add_workers(self, data: dict) -> None:
+        with self._lock:
+            self._workers = merge_data(self._workers, data)
+
+    def take_interval(self) -> dict:
+        with self._lock:
+            data = merge_data(self._metrics.snapshot(reset=True), self._workers)
+            self._workers = None
+            self._taken = merge_data(self._taken, data)
+        return data
+
+    def totals(self) -> dict:
+        with self._lock:
+            return merge_data(self._taken, merge_data(self._metrics.snapshot(), self._workers))
 
 
 class NixlECConnectorStats(ECConnectorStats):
@@ -186,4 +226,4 @@ class NixlECPromMetrics(ECConnectorPromMetrics):
             self._mode[engine_idx].set(1 if list(d["link_modes"].values())[-1] == "read" else 0)
 
 
-__all__ = ["NixlECConnectorStats", "NixlECPromMetrics", "merge_data", "empty_data", "COUNTERS"]
+__all__ = ["NixlECConnectorStats", "NixlECPromMetrics", "StatsBook", "merge_data", "empty_data", "COUNTERS"]

@@ -31,7 +31,8 @@ from ec_nixl.endpoint import Endpoint
 from ec_nixl.states import TicketState
 from ec_nixl.tensors import torch_dtype
 from ec_nixl.tickets import ItemRef, LoadTicket
-from ec_nixl.errors import ECNixlError, LoadFailed
+from ec_nixl.errors import ConfigError, ECNixlError, LoadFailed
+import ec_nixl.vllm.hooks as hooks
 from ec_nixl.vllm.metadata import NixlECMetadata, NixlECWorkerMeta
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
 
@@ -57,6 +58,8 @@ class WorkerSide:
         self._rerouted: list[tuple[int, str, str, str]] = []
         self._pool_reported: Optional[tuple] = None
         self._to_publish: list[tuple[str, torch.Tensor]] = []
+        self._producer_cache: Optional[dict] = None  # the encoder cache save_caches is handed
+        self._reports = None  # vLLM < 0.32: report_channel.ReportOutbox (consumers)
         # Fault injection for tests only: publish a corrupted copy, to prove consumers use ours.
         self._corrupt = os.environ.get("EC_NIXL_FAULT_CORRUPT_PUBLISH") == "1"
 
@@ -72,12 +75,38 @@ class WorkerSide:
         logger.info("NixlECConnector %s: %s pool of %.1f MiB on %s%s", cfg.name,
                     self.endpoint.pool.arena.mem_type, p.pool_bytes / 2**20, p.device,
                     f", serving on {self.endpoint.address}" if self.endpoint.address else "")
+        if p.is_consumer and not hooks.WORKER_REPORTS:
+            from ec_nixl.vllm.report_channel import ReportOutbox
+
+            self._reports = ReportOutbox(p.engine_id, p.dp_rank)
+
+    def count_pool_in_budget(self) -> None:
+        """vLLM < 0.32 creates the connector before its memory snapshot, so a VRAM pool allocated
+        then would be outside ``gpu_memory_utilization`` (vLLM >= 0.32 starts the services after
+        the snapshot and counts the pool as non-KV memory). Lower this worker's own utilization
+        by the pool's share instead: the instance then takes what it was given, pool included."""
+        if self.endpoint is None or not self.place.device.startswith("cuda"):
+            return
+        cc = self.vllm_config.cache_config
+        if getattr(cc, "kv_cache_memory_bytes", None):
+            return  # the KV cache is sized in bytes: utilization is not used
+        total = torch.cuda.get_device_properties(torch.device(self.place.device)).total_memory
+        before = float(cc.gpu_memory_utilization)
+        after = before - self.endpoint.pool.arena.size / total
+        if after <= 0.01:
+            raise ConfigError(f"the {self.endpoint.pool.arena.size / 2**30:.2f} GiB EC pool (ec_buffer_size) takes all "
+                              f"of gpu_memory_utilization {before} of this {total / 2**30:.1f} GiB GPU")
+        cc.gpu_memory_utilization = after
+        logger.info("NixlECConnector: gpu_memory_utilization %.4f -> %.4f in this worker: its %.0f MiB pool counts "
+                    "inside the budget (this vLLM allocates the pool before its memory snapshot)", before, after,
+                    self.endpoint.pool.arena.size / 2**20)
 
     # ---------------------------------------------------------------- producer
 
     def save_caches(self, encoder_cache: dict, mm_hash: str) -> None:
         if not self.place.serving_rank or self.endpoint is None:
             return
+        self._producer_cache = encoder_cache
         t = encoder_cache.get(mm_hash)
         if t is not None:
             if self._corrupt:
@@ -99,12 +128,21 @@ class WorkerSide:
             logger.error("could not pin %d encoder output(s) for transfer: %s", len(batch), e)
 
     def start_save_caches(self, encoder_cache: dict, meta: NixlECMetadata) -> None:
-        if not self.place.serving_rank or self.endpoint is None or not meta.publish:
+        self._producer_cache = encoder_cache
+        self.publish_again(meta)
+
+    def publish_again(self, meta: NixlECMetadata) -> None:
+        """Items the scheduler announced from the encoder cache (hits): pinned again if they left
+        the pool. vLLM >= 0.32 calls this before the encoder runs (``start_save_caches``); older
+        ones at the end of the step, from the cache ``save_caches`` was last handed (the same
+        dict every step: the model runner's)."""
+        cache = self._producer_cache
+        if not self.place.serving_rank or self.endpoint is None or not meta.publish or cache is None:
             return
         published = set(self.endpoint.published())
         for h in meta.publish:
-            if h in encoder_cache and h not in published:
-                self.save_caches(encoder_cache, h)
+            if h in cache and h not in published:
+                self.save_caches(cache, h)
         self.flush_publish()
 
     # ---------------------------------------------------------------- consumer
@@ -290,7 +328,8 @@ class WorkerSide:
             if any(snap["counters"].values()) or snap["xfer_s"] or occupancy != self._pool_reported:
                 self._pool_reported = occupancy
                 snap["pool"] = {f"rank{self.place.reader}": {"used": pool.used, "slots": pool.slots,
-                                                             "capacity": pool.capacity}}
+                                                             "capacity": pool.capacity,
+                                                             "mem_type": self.endpoint.pool.arena.mem_type}}
                 stats = snap
         if not (self._loaded or self._failed or self._rerouted or stats):
             return None
@@ -298,8 +337,16 @@ class WorkerSide:
         self._loaded, self._failed, self._rerouted = [], [], []
         return meta
 
+    def send_report(self) -> None:
+        """vLLM < 0.32: this step's report goes to the scheduler over ``report_channel``."""
+        if self._reports is not None:
+            self._reports.send(self.worker_meta())
+
     def shutdown(self) -> None:
         self._held.clear()
+        if self._reports is not None:
+            self._reports.close()
+            self._reports = None
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None
