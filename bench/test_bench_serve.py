@@ -68,6 +68,44 @@ def test_point_phases_are_the_deltas_of_the_pds_metrics():
     assert point_phases(text(1, 0, 0, 0.1, 1), text(1, 0, 0, 0.1, 1)) == {}
 
 
+def test_point_phases_from_the_pds_own_counters():
+    """A vLLM without EC metrics (0.26): the PD's totals from its ec_port (``json:``), the samples
+    each series gained between the two reads taken from the end of its list (by its count ever)."""
+    from ec_nixl.bench.serve import point_phases
+
+    def totals(admitted, early, xfer, waits, seen_xfer, seen_wait):
+        return "json:" + json.dumps({"counters": {"admitted": admitted, "admission_steps": 0,
+                                                  "early_admissions": early},
+                                     "xfer_s": xfer, "wait_s": waits, "phases": {},
+                                     "seen": {"xfer_s": seen_xfer, "wait_s": seen_wait}})
+
+    a = totals(4, 4, [0.001, 0.001], [0.002], 2, 1)
+    b = totals(6, 5, [0.001, 0.001, 0.004, 0.006], [0.002, 0.010], 4, 2)
+    d = point_phases(a, b)
+    assert d["admitted"] == 2 and d["early_share"] == 0.5
+    assert d["xfer_ms"] == 5.0 and d["xfer_p50_ms"] == 5.0 and d["barrier_ms"] == 10.0
+    assert "xfer_ms" not in point_phases(b, b)
+
+
+def test_runs_made_in_separate_calls_merge_into_one(tmp_path, capsys):
+    """``--merge``: rounds run in separate calls (one lent GPU call per round) are summarized as one
+    run: each file's rounds follow the last one's, and the ratios are taken per (renumbered) round."""
+    from ec_nixl.bench.serve import SCHEMA
+
+    for i, (ex, nx) in enumerate(((100, 80), (200, 100))):
+        rows = [dict(images=1, concurrency=1, deployment=d, round=0, completed=5, failed=0, req_s=1.0,
+                     ttft_p50_ms=t, ttft_p99_ms=t) for d, t in (("example", ex), ("nixl", nx))]
+        (tmp_path / f"r{i}.json").write_text(json.dumps({"schema": SCHEMA, "args": {"reference": "example"},
+                                                         "rows": rows, "phases": []}))
+    out = tmp_path / "all.json"
+    assert main(["--merge", str(tmp_path / "r0.json"), str(tmp_path / "r1.json"), "--json", str(out)]) == 0
+    summary = {s["deployment"]: s for s in json.loads(out.read_text())["summary"]}
+    assert summary["nixl"]["rounds"] == 2 and summary["nixl"]["ttft_p50_ms_ratio"] == [0.65, 0.5, 0.8]
+    assert "2 runs merged: 2 rounds" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text(json.dumps({"schema": "other"}))
+    assert main(["--merge", str(tmp_path / "bad.json")]) == 2
+
+
 def test_a_deployment_variant_carries_its_settings():
     """``nixl@key=value``: the same deployment with ec_connector_extra_config settings (JSON values
     where they parse), so one setting can be compared in interleaved rounds; a malformed or

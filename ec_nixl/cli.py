@@ -1,6 +1,7 @@
 """The ``ec-nixl`` command: ``bench`` (transfer microbenchmarks), ``bench serve`` (vLLM's serving
-benchmark against whole deployments), ``serve-disagg`` (E -> PD launcher) and ``status`` (a
-producer's pool occupancy and counters)."""
+benchmark against whole deployments), ``bench e2e`` (a real vLLM E -> PD deployment checked against
+a colocated server), ``serve-disagg`` (E -> PD launcher) and ``status`` (an instance's pool
+occupancy and counters)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: ec-nixl {bench,bench serve,serve-disagg,status} [options]   (ec-nixl COMMAND --help for details)"
+    usage = "usage: ec-nixl {bench,bench serve,bench e2e,serve-disagg,status} [options]   (ec-nixl COMMAND --help for details)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
@@ -18,6 +19,10 @@ def main(argv: list[str] | None = None) -> int:
         from ec_nixl.bench.serve import main as serve_bench_main
 
         return serve_bench_main(rest[1:])
+    if cmd == "bench" and rest[:1] == ["e2e"]:
+        from ec_nixl.bench.vllm_e2e import main as e2e_main
+
+        return e2e_main(rest[1:])
     if cmd == "bench":
         from ec_nixl.bench.command import main as bench_main
 
@@ -38,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def status_main(argv: list[str]) -> int:
-    """Print a producer's statistics as JSON (handshakes like a consumer, so --token may be needed)."""
+    """Print an instance's statistics as JSON: a producer's endpoint, or a consumer's scheduler on its
+    ec_port (its own and its workers' counters under "connector"). Handshakes like a consumer, so
+    --token may be needed."""
     import argparse
     import json
 
     ap = argparse.ArgumentParser(prog="ec-nixl status", description=status_main.__doc__)
-    ap.add_argument("address", help="producer side channel, host:port (ec_ip:ec_port of its TP rank 0)")
+    ap.add_argument("address", help="an instance's side channel, host:port (ec_ip:ec_port of its TP rank 0)")
     ap.add_argument("--token", default=None)
     ap.add_argument("--timeout", type=float, default=5.0)
     a = ap.parse_args(argv)

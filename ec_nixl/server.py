@@ -239,9 +239,9 @@ class Server:
             logger.warning("ec-nixl: refused %s (%s): %s", msg.name, reason.value, detail)
             self._refuse(identity, reason, detail)
 
-        if self.published is None:
+        if self.published is None and not handshake.is_observer(msg):  # (observers: `ec-nixl status`)
             return refuse(P.Nack.BAD_REQUEST, "this is a consumer's control port: it answers vLLM EPD control "
-                                              "requests (peers, cancel) and serves no items")
+                                              "requests (peers, cancel) and its statistics, and serves no items")
         if not handshake.signed(self.me, msg):
             return refuse(P.Nack.UNAUTHORIZED, "handshake not signed with the shared token")
         # A signed Hello proves the token only once: the same nonce from another connection is a

@@ -6,6 +6,7 @@ package, run the tests that guard it against that copy, and print which of them 
     python scripts/check_guards.py -k fence      # the breakages whose name contains 'fence'
     python scripts/check_guards.py --no-baseline # skip the first run, on an unbroken copy
     python scripts/check_guards.py --marker gpu  # the GPU tests instead (on a CUDA machine)
+    python scripts/check_guards.py --marker gpu -k race  # the load race inside a real vLLM (GPU host)
     python scripts/check_guards.py --list        # the table, nothing run
     python scripts/check_guards.py --check       # every breakage still applies to the source?
 
@@ -172,9 +173,9 @@ BREAKAGES: tuple[Breakage, ...] = (
         guarantee="a Hold that may wait is answered when its items are published, not before "
                   "(the overlapped flow's PD would re-encode every item)",
         file="ec_nixl/server.py",
-        old="""            if now < deadline and not _all_ready(items):
+        old="""            if (now < deadline and not _all_ready(items)) or (answers is not None and not answers.withdraw(sid, msg.req)):
 """,
-        new="""            if False:  # BROKEN: a parked Hold is answered at the next tick, whatever its items
+        new="""            if answers is not None and not answers.withdraw(sid, msg.req):  # BROKEN: answered at the next tick, whatever its items
 """,
         tests=("tests/test_expected_items.py",),
         expect=("test_a_waiting_hold_is_answered_when_the_item_is_published",
@@ -204,6 +205,48 @@ BREAKAGES: tuple[Breakage, ...] = (
                 "test_producer_killed_mid_transfer_hands_over_only_whole_items", "test_soak_2x2_read_and_write"),
         env=SMALL_SOAK,
     ),
+    # The race, inside a real vLLM (``ec-nixl bench e2e`` as tests/e2e/test_e2e_vllm_check.py, marked
+    # gpu: ``--marker gpu -k race`` on a GPU host; EC_NIXL_E2E_ON_CPU=1 on a CPU one): the gather
+    # gets a slot its bytes have not reached. Caught only as wrong tokens: vLLM raises nothing.
+    Breakage(
+        name="race-write-lands-at-ask",
+        guarantee="inside vLLM, a pushed item reaches the gather only once the producer's WRITE landed "
+                  "(its notification), not when the push was asked for: E's WRITE comes a round trip later",
+        file="ec_nixl/write_lane.py",
+        old="""            for t in batch:
+                work.pushed[t.mm_hash] = t
+                t.t_post = time.perf_counter()
+""",
+        new="""            for t in batch:
+                work.pushed[t.mm_hash] = t
+                t.t_post = time.perf_counter()
+                t.land()  # BROKEN: landed when the push is asked for, not at the WRITE's notification
+                self.loop.changed()
+""",
+        tests=("tests/e2e/test_e2e_vllm_check.py",),
+        expect=("test_real_vllm_e2e_matches_colocated",),
+        env={"EC_NIXL_E2E_MODE": "write"},
+    ),
+    Breakage(
+        name="race-read-lands-at-post",
+        guarantee="inside vLLM, a pulled item reaches the gather only once NIXL reports its READ complete",
+        file="ec_nixl/read_lane.py",
+        old="""        for t in tickets:
+            t.xfer, t.t_post = x, t_post
+            t.enter(_READ)
+        self.in_flight[x] = tickets
+""",
+        new="""        for t in tickets:
+            t.xfer, t.t_post = x, t_post
+            t.enter(_READ)
+            t.land()  # BROKEN: landed at post time (both posting paths)
+            self.loop.changed()
+        self.in_flight[x] = tickets
+""",
+        tests=("tests/e2e/test_e2e_vllm_check.py",),
+        expect=("test_real_vllm_e2e_matches_colocated",),
+        env={"EC_NIXL_E2E_MODE": "read"},
+    ),
     Breakage(
         name="direct-read-ignores-disconnect",
         guarantee="a held step posted on a link with an unread disconnect is never handed over",
@@ -226,7 +269,8 @@ def copy_tree(dst: str) -> None:
     shutil.copy(os.path.join(ROOT, "pytest.ini"), dst)
 
 
-def apply(b: Breakage, root: str) -> None:
+def apply(b: Breakage, root: str, write: bool = True) -> None:
+    """Break ``b`` in the copy at ``root`` (``write=False``: only check that it applies there)."""
     path = os.path.join(root, b.file)
     with open(path) as f:
         src = f.read()
@@ -234,8 +278,9 @@ def apply(b: Breakage, root: str) -> None:
     if n != 1:
         raise SystemExit(f"check_guards: breakage {b.name}: its old text occurs {n} times in {b.file} "
                          f"(expected once): re-point the entry in BREAKAGES")
-    with open(path, "w") as f:
-        f.write(src.replace(b.old, b.new))
+    if write:
+        with open(path, "w") as f:
+            f.write(src.replace(b.old, b.new))
 
 
 def _env(root: str, env_extra: dict, marker: str) -> dict:
@@ -394,10 +439,8 @@ def main() -> int:
         for b in chosen:
             print(f"{b.name}: {b.guarantee}\n    {b.file}; tests {' '.join(b.tests)}; expect {', '.join(b.expect)}")
         return 0
-    with tempfile.TemporaryDirectory(prefix="ec-nixl-guards-") as tmp:
-        copy_tree(tmp)
-        for b in chosen:
-            apply(b, tmp)  # exits naming a breakage whose old text is gone, before anything runs
+    for b in chosen:  # each against the source itself (two may break the same lines)
+        apply(b, ROOT, write=False)  # exits naming a breakage whose old text is gone, before anything runs
     if args.check:
         print(f"all {len(chosen)} breakages apply")
         return 0

@@ -14,7 +14,16 @@ from unittest import mock
 
 import pytest
 
-from ec_nixl.disagg.launcher import Instance, LaunchConfig, Supervisor, cpu_binds, plan, proxy_instance, wedged
+from ec_nixl.disagg.launcher import (
+    Instance,
+    LaunchConfig,
+    Supervisor,
+    cpu_binds,
+    parse_args,
+    plan,
+    proxy_instance,
+    wedged,
+)
 from helpers import wait_until
 
 
@@ -48,6 +57,26 @@ def test_plan_uses_the_binds(tmp_path) -> None:
         insts = plan(cfg)
     assert [(i.role, i.env["VLLM_CPU_OMP_THREADS_BIND"]) for i in insts] == [
         ("encoder", "0"), ("encoder", "0"), ("pd", "1")]
+
+
+def test_each_role_gets_its_own_vllm_args_and_env(tmp_path) -> None:
+    """One GPU shared by E and PD: each role its own --gpu-memory-utilization (after the common
+    flags, so it wins), from the CLI as from the API; a role's env reaches only its instances."""
+    cfg = parse_args(["--model", "m", "--num-encoders", "2", "--log-dir", str(tmp_path), "--ec-buffer-device", "cpu",
+                      "--vllm-args", "--enforce-eager --gpu-memory-utilization 0.9",
+                      "--encoder-vllm-args", "--gpu-memory-utilization 0.1 --mm-encoder-only",
+                      "--pd-vllm-args=--gpu-memory-utilization 0.5"])
+    cfg.role_env = {"pd": {"FAULT": "1"}}
+    insts = plan(cfg)
+    for inst in insts:
+        argv = inst.argv
+        want = {"encoder": "0.1", "pd": "0.5"}[inst.role]
+        utils = [argv[i + 1] for i, a in enumerate(argv) if a == "--gpu-memory-utilization"]
+        assert utils[-1] == want and "--enforce-eager" in argv, (inst.name, argv)
+        assert ("--mm-encoder-only" in argv) == (inst.role == "encoder"), argv
+        assert inst.env.get("FAULT") == ("1" if inst.role == "pd" else None), inst.name
+    with pytest.raises(ValueError, match="unknown role"):
+        LaunchConfig(model="m", role_vllm_args={"decoder": ["--x"]})
 
 
 @pytest.mark.parametrize("connector,proxy_args,push", [

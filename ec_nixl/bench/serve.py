@@ -31,11 +31,17 @@ Reported per (images, concurrency): each deployment's TTFT p50/p99, req/s and fa
 over rounds), and each one's ratios to the reference deployment (``--reference``, default
 ``example``) computed per round, then the median with its spread; where the PD's requests waited
 (vLLM's queue time and the engine steps in between, from every engine's scheduler trace:
-``request_trace``), and for NixlEC the connector's admission per point (from the PD's ``/metrics``
-before and after it). ``--json`` keeps every row,
-``--plot`` draws TTFT p50 against concurrency. Each deployment's CPU per completed request is
-printed by instance and by its busiest threads. Runs on CPU with a tiny model (``--model`` omitted:
-the e2e tests' tiny Qwen2-VL is built under ``--out``) or on a GPU host with a real model.
+``request_trace``), E's engine step (its encode) from E's trace, and for NixlEC the connector's
+admission and the PD's load time (post to landed, and the barrier's wait) per point (from the
+PD's ``/metrics`` before and after it, or, on a vLLM without EC metrics (0.26), from its
+counters on its ``ec_port``, as ``ec-nixl status`` reads them). ``--json`` keeps every row,
+``--plot`` draws TTFT p50 against concurrency, ``--merge`` summarizes several runs' JSON as one
+(rounds run in separate calls). Each deployment's CPU per completed request is printed by
+instance and by its busiest threads, and on a GPU each process's GPU memory. Runs on CPU with a
+tiny model (``--model`` omitted: the e2e tests' tiny Qwen2-VL is built under ``--out``) or on a
+GPU host with a real model, or a real model's shapes with dummy weights (``--model-shape
+qwen2.5-vl-7b``). On one GPU, give each instance its share: ``--colocated-vllm-args``,
+``--encoder-vllm-args``, ``--pd-vllm-args`` (e.g. their ``--gpu-memory-utilization``).
 """
 
 from __future__ import annotations
@@ -72,16 +78,21 @@ POOL_BYTES = 256 << 20  # ec_buffer_size of the NixlEC and ECMooncake instances 
 # costs ~10 s here, paid once.
 # Each point's wall-clock window goes to the file named second: the engines' request traces are
 # split by it (request_trace). With a third argument (the PD's URL), the PD's Prometheus text
-# before the first point and after each one goes there too: the connector's phases per point.
+# before the first point and after each one goes there too: the connector's phases per point; the
+# fourth (the PD's ec_port address) stands in where that text has no NixlEC series (vLLM 0.26).
 DRIVER = r"""
 import argparse, json, sys, time, urllib.request
 from vllm.benchmarks import serve
-points, windows, pd, common = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:]
+points, windows, pd, pd_ec, common = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]
 def metrics():
     try:
-        return urllib.request.urlopen(pd + "/metrics", timeout=10).read().decode() if pd else ""
+        text = urllib.request.urlopen(pd + "/metrics", timeout=10).read().decode() if pd else ""
     except OSError:
-        return ""
+        text = ""
+    if pd_ec and "vllm:nixl_ec_" not in text:  # a vLLM without EC metrics: the PD's own counters
+        from ec_nixl.bench.serve import instance_stats
+        text = "json:" + json.dumps(instance_stats(pd_ec).get("connector", {}))
+    return text
 spans = {"": [0.0, 0.0, metrics()]}
 for pt in points:
     p = argparse.ArgumentParser(); serve.add_cli_args(p)
@@ -142,16 +153,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--vllm-args", default=None, help="extra vLLM server args (default: small CPU settings)")
+    p.add_argument("--colocated-vllm-args", default="", help="flags for the colocated instance only, after the others")
+    p.add_argument("--encoder-vllm-args", default="", help="flags for E instances only (e.g. their GPU share)")
+    p.add_argument("--pd-vllm-args", default="", help="flags for PD instances only")
+    p.add_argument("--model-shape", choices=("qwen2.5-vl-7b",), default=None,
+                   help="build that model's configuration and tokenizer under --out (no weights) and serve it "
+                        "with --load-format dummy")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="run nothing: summarize these runs' --json files as one run (rounds renumbered)")
     p.add_argument("--port", type=int, default=18000, help="first port (each deployment uses a block of 100)")
     p.add_argument("--json", default=None, metavar="PATH", help=f"write every row and the summary ({SCHEMA})")
     p.add_argument("--plot", default=None, metavar="PATH", help="TTFT p50 vs concurrency PNG (needs matplotlib)")
     return p
 
 
-def _env(root: Path) -> dict[str, str]:
+def _env(root: Path, cpu: bool = True) -> dict[str, str]:
     shim = root / "tests" / "e2e" / "shim"  # one NUMA node: the e2e tests' start-up fix (CPU only)
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "EC_NIXL_E2E_NO_NUMA_MIGRATE": "1"}
-    paths = [str(shim)] if shim.is_dir() else []
+    env = {"HF_HUB_OFFLINE": "1"}
+    if cpu:
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", EC_NIXL_E2E_NO_NUMA_MIGRATE="1")
+    paths = [str(shim)] if cpu and shim.is_dir() else []
     env["PYTHONPATH"] = os.pathsep.join(paths + [str(root), os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
     return env
 
@@ -161,22 +182,25 @@ def _root() -> Path:
 
 
 @contextmanager
-def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[str]) -> Iterator[dict]:
-    """Start ``name``, wait until it serves, yield its URLs; stop everything on the way out."""
+def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[str],
+               role_args: Optional[dict[str, list[str]]] = None) -> Iterator[dict]:
+    """Start ``name``, wait until it serves, yield its URLs; stop everything on the way out.
+    ``role_args``: flags per role ("colocated", "encoder", "pd"), after ``vllm_args``."""
+    role_args = role_args or {}
     from ec_nixl.disagg.launcher import Cluster, Instance, LaunchConfig, Supervisor, instance_env, vllm_argv
 
-    env = _env(_root())
+    env = _env(_root(), cpu=not _cuda())
     env[request_trace.ENV] = str(log_dir / "trace")  # every engine's per-request scheduling trace
     if name == "colocated":
         cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
         inst = Instance(name="colocated", role="baseline", port=port, log_path=log_dir / "colocated.log",
-                        argv=vllm_argv(model, port, vllm_args, None),
+                        argv=vllm_argv(model, port, vllm_args + role_args.get("colocated", []), None),
                         env=instance_env(dict(os.environ), cores, None, env))
         log_dir.mkdir(parents=True, exist_ok=True)
         with Supervisor() as sup:
             sup.spawn(inst)
             sup.wait_healthy([inst], 900.0)
-            yield {"url": inst.url, "pd": inst.url, "e_ec": None, "procs": {"colocated": inst.proc.pid},
+            yield {"url": inst.url, "pd": inst.url, "e_ec": None, "pd_ec": None, "procs": {"colocated": inst.proc.pid},
                    "trace": log_dir / "trace", "pd_role": "colocated"}
         return
     # The launcher picks each connector's proxy flow (ECMooncake: push to the PD named in the E
@@ -195,17 +219,23 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
     cfg = LaunchConfig(model=model, connector=CONNECTOR[name], port=port, base_port=port + 10,
                        ec_base_port=port + 50, vllm_args=vllm_args, log_dir=log_dir, env=env,
                        ec_buffer_device=None if cuda else "cpu", ec_buffer_size=POOL_BYTES,
-                       proxy_args=proxy_args, extra_config=extra, startup_timeout_s=900.0)
+                       proxy_args=proxy_args, extra_config=extra, startup_timeout_s=900.0,
+                       role_vllm_args={r: role_args[r] for r in ("encoder", "pd") if role_args.get(r)})
     with Cluster(cfg) as c:
         c.start()
         c.wait_ready()
         pd = next(i for i in c.instances if i.role == "pd")
         e = next(i for i in c.instances if i.role == "encoder")
         ec = e.ec_transfer_config or {}
-        e_ec = f"{ec.get('ec_ip')}:{ec.get('ec_port')}" if CONNECTOR[name] == "NixlECConnector" else None
+        nixl = CONNECTOR[name] == "NixlECConnector"
+        e_ec = f"{ec.get('ec_ip')}:{ec.get('ec_port')}" if nixl else None
+        pec = pd.ec_transfer_config or {}
+        pd_ec = f"{pec.get('ec_ip')}:{pec.get('ec_port')}" if nixl else None
         procs = {i.name: i.proc.pid for i in c.instances + [c.proxy] if i is not None and i.proc is not None}
-        yield {"url": c.proxy_url, "pd": pd.url, "e_ec": e_ec, "procs": procs, "trace": log_dir / "trace",
-               "pd_role": "ec_consumer"}
+        yield {"url": c.proxy_url, "pd": pd.url, "e_ec": e_ec, "pd_ec": pd_ec, "procs": procs,
+               "trace": log_dir / "trace", "pd_role": "ec_consumer",
+               "storage": (cfg.extra_config.get("shared_storage_path")
+                           or str((log_dir / "ec_cache").resolve())) if name == "example" else None}
 
 
 def _cuda() -> bool:
@@ -248,12 +278,17 @@ def parse_metrics(text: str) -> dict[str, Any]:
         n = re.search(r"%s_count\{[^}]*\} (\S+)" % series, text)
         if tot and n and float(n.group(1)):
             out[k] = round(float(tot.group(1)) / float(n.group(1)) * 1e3, 3)
+            out[f"{k[:-3]}_sum_n"] = [float(tot.group(1)), float(n.group(1))]  # (per point: point_phases)
     return out
 
 
 def point_phases(before: str, after: str) -> dict[str, Any]:
     """The PD's admission between two Prometheus texts (one point): requests admitted, engine steps
-    they waited per request, the share admitted early, and the mean of each phase (ms)."""
+    they waited per request, the share admitted early, the mean of each phase (ms), and the PD's
+    mean transfer (post to landed) and barrier wait (ms). Texts that start with ``json:`` are the
+    PD's own counters instead (``status_phases``)."""
+    if before.startswith("json:") and after.startswith("json:"):
+        return status_phases(json.loads(before[5:]), json.loads(after[5:]))
     a, b = parse_metrics(before), parse_metrics(after)
     out: dict[str, Any] = {}
     n = b.get("admitted", 0) - a.get("admitted", 0)
@@ -268,6 +303,89 @@ def point_phases(before: str, after: str) -> dict[str, Any]:
     return out
 
 
+def status_phases(a: dict, b: dict) -> dict[str, Any]:
+    """``point_phases`` from two of the PD's own totals (``ec-nixl status``'s ``connector``): the
+    counters' deltas, and the samples each series gained in between (the last of them, by the
+    count each series ever had), as means in ms."""
+    ca, cb = a.get("counters") or {}, b.get("counters") or {}
+    out: dict[str, Any] = {}
+    n = cb.get("admitted", 0) - ca.get("admitted", 0)
+    if n > 0:
+        out["admitted"] = n
+        out["steps_per_admitted"] = round((cb.get("admission_steps", 0) - ca.get("admission_steps", 0)) / n, 3)
+        out["early_share"] = round((cb.get("early_admissions", 0) - ca.get("early_admissions", 0)) / n, 3)
+    seen_a, seen_b = a.get("seen") or {}, b.get("seen") or {}
+
+    def new(series: str, samples: list) -> list:
+        k = seen_b.get(series, 0) - seen_a.get(series, 0)
+        return samples[len(samples) - min(k, len(samples)):] if k > 0 else []
+
+    for key, name in (("xfer_s", "xfer_ms"), ("wait_s", "barrier_ms")):
+        got = new(key, b.get(key) or [])
+        if got:
+            out[name] = round(statistics.mean(got) * 1e3, 3)
+            out[name.replace("_ms", "_p50_ms")] = round(statistics.median(got) * 1e3, 3)
+    for phase, samples in (b.get("phases") or {}).items():
+        got = new(f"phase:{phase}", samples)
+        if got:
+            out[f"{phase}_ms"] = round(statistics.mean(got) * 1e3, 3)
+    return out
+
+
+def instance_stats(address: str, timeout: float = 5.0) -> dict[str, Any]:
+    """An instance's counters over its side channel, as ``ec-nixl status`` prints them: a
+    producer's endpoint, or a consumer's scheduler (its own and its workers' under "connector")."""
+    from ec_nixl.config import EndpointConfig
+    from ec_nixl.endpoint import Endpoint
+
+    ep = Endpoint(EndpointConfig(name=f"bench-status-{os.getpid()}-{time.monotonic_ns()}", pool_bytes=0,
+                                 threaded=True, observer=True))
+    try:
+        return ep.query_stats(address, timeout=timeout)
+    finally:
+        ep.close()
+
+
+def gpu_memory(procs: dict[str, int]) -> dict[str, float]:
+    """GPU memory (MiB) of each named process tree, from ``nvidia-smi`` ({} without it)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    used = {}
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        try:
+            used[int(pid)] = float(mib)
+        except ValueError:
+            continue
+    res: dict[str, float] = {}
+    for role, tree, _ in _trees(procs):
+        mib = sum(used.get(p.pid, 0.0) for p in tree)
+        if mib:
+            res[role] = mib
+    return res
+
+
+def filesystem(path: Optional[str]) -> Optional[str]:
+    """The file system type and mount point holding ``path`` (from /proc/mounts), e.g. 'ext4 on /'."""
+    if not path:
+        return None
+    try:
+        real = os.path.realpath(path)
+        best = ("", "?")
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")) \
+                        and len(parts[1]) >= len(best[0]):
+                    best = (parts[1], parts[2])
+        return f"{best[1]} on {best[0]}"
+    except OSError:
+        return None
+
+
 def _r(v: Optional[float]) -> Optional[float]:
     return None if v is None else round(v, 1)
 
@@ -277,16 +395,8 @@ def producer_stats(address: Optional[str]) -> dict[str, Any]:
     an encode-only worker's output, so E's publish time and parked Holds are not in its /metrics."""
     if not address:
         return {}
-    from ec_nixl.config import EndpointConfig
-    from ec_nixl.endpoint import Endpoint
-
     try:
-        ep = Endpoint(EndpointConfig(name=f"bench-serve-status-{os.getpid()}-{time.monotonic_ns()}", pool_bytes=0,
-                                     threaded=True, observer=True))
-        try:
-            st = ep.query_stats(address, timeout=5.0)
-        finally:
-            ep.close()
+        st = instance_stats(address)
     except Exception as e:  # statistics are extra: never fail the run for them
         return {"error": str(e)[:200]}
     c = st.get("counters", {})
@@ -408,10 +518,11 @@ def drive(args, model: str, urls: dict, tag: str, rnd: int, out: Path) -> list[d
             "--max-concurrency", str(conc), "--random-mm-base-items-per-request", str(images),
             "--random-mm-limit-mm-per-prompt", json.dumps({"image": images, "video": 0}),
             "--result-filename", name]})
-    env = {**os.environ, **_env(_root())}
+    env = {**os.environ, **_env(_root(), cpu=not _cuda())}
     windows = out / f"{tag}.windows.json"
     pd = urls["pd"] if urls.get("pd_role") == "ec_consumer" else ""
-    p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(pts), str(windows), pd, *common],
+    p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(pts), str(windows), pd, urls.get("pd_ec") or "",
+                        *common],
                        capture_output=True, text=True, env=env, timeout=3600)
     (out / f"{tag}.bench.log").write_text(p.stdout + p.stderr)
     spans = json.loads(windows.read_text()) if windows.exists() else {}
@@ -435,7 +546,8 @@ def drive(args, model: str, urls: dict, tag: str, rnd: int, out: Path) -> list[d
         q = rows[-1]["pd_queue"]
         rows[-1].update(pd_queue_p50_ms=q.get("queue_p50_ms"), pd_steps_mean=q.get("steps_mean"),
                         pd_step_ms=q.get("step_ms"), pd_admit_ms=phases.get("admit_ms"),
-                        pd_early_share=phases.get("early_share"))
+                        pd_early_share=phases.get("early_share"), e_step_ms=rows[-1]["e_queue"].get("step_ms"),
+                        pd_xfer_ms=phases.get("xfer_ms"), pd_barrier_ms=phases.get("barrier_ms"))
     return rows
 
 
@@ -452,7 +564,8 @@ def summarize(rows: list[dict], deps: list[str], ref: str) -> list[dict]:
             s: dict[str, Any] = {"images": images, "concurrency": conc, "deployment": d, "rounds": len(mine),
                                  "failed": sum(r["failed"] or 0 for r in mine),
                                  "completed": sum(r["completed"] or 0 for r in mine)}
-            for k in ("pd_steps_mean", "pd_step_ms", "pd_admit_ms", "pd_early_share"):
+            for k in ("pd_steps_mean", "pd_step_ms", "pd_admit_ms", "pd_early_share", "e_step_ms", "pd_xfer_ms",
+                      "pd_barrier_ms"):
                 vals = [r[k] for r in mine if r.get(k) is not None]
                 s[k] = round(statistics.median(vals), 3) if vals else None
             for k in ("ttft_p50_ms", "ttft_p99_ms", "req_s", "pd_queue_p50_ms"):
@@ -497,6 +610,73 @@ def queue_table(summary: list[dict], ref: str) -> str:
     return "\n".join(lines)
 
 
+def load_table(summary: list[dict]) -> str:
+    """E's engine step (its encode, from E's trace) and the PD's load (NixlEC: its READ or WRITE,
+    post to landed, and the barrier's wait per step), medians of rounds."""
+    lines = ["| images | conc | deployment | E step ms (encode) | PD transfer ms (post -> landed) | PD barrier ms |",
+             "|---|---|---|---|---|---|"]
+    for s in summary:
+        if s["deployment"] == "colocated":
+            continue
+        lines.append(f"| {s['images']} | {s['concurrency']} | {s['deployment']} | {s.get('e_step_ms')} | "
+                     f"{s.get('pd_xfer_ms') if s.get('pd_xfer_ms') is not None else '—'} | "
+                     f"{s.get('pd_barrier_ms') if s.get('pd_barrier_ms') is not None else '—'} |")
+    return "\n".join(lines)
+
+
+def gpu_table(phases: list[dict], deps: list[str]) -> str:
+    """GPU memory of each instance at the end of its run (nvidia-smi; the largest over rounds)."""
+    lines = []
+    for d in deps:
+        runs = [ph.get("gpu_mib") or {} for ph in phases if ph["deployment"] == d]
+        roles = sorted({k for r in runs for k in r})
+        if roles:
+            lines.append(f"  {d}: " + ", ".join(f"{k} {max(r.get(k, 0) for r in runs) / 1024:.1f} GiB" for k in roles))
+    return ("\nGPU memory per process (nvidia-smi, end of each run; largest of rounds):\n" + "\n".join(lines)) \
+        if lines else ""
+
+
+def report(rows: list[dict], phases: list[dict], deps: list[str], ref: str) -> list[dict]:
+    """Print every table of a run (or of merged runs); returns the summary."""
+    summary = summarize(rows, deps, ref)
+    print()
+    print(table(summary, ref))
+    print("\nPD queue (vLLM's queue time: added to the scheduler -> first scheduled; medians of rounds; "
+          "steps: engine steps it waited, 0 = the first step after it arrived):")
+    print(queue_table(summary, ref))
+    print("\nE's encode and the PD's load (medians of rounds):")
+    print(load_table(summary))
+    print("\nconnector phases (means, ms; PD's /metrics or ec_port and E's side channel at the end of each run):")
+    for ph in phases:
+        if ph.get("pd") or ph.get("e"):
+            pd = {k: v for k, v in (ph.get("pd") or {}).items() if not k.endswith("_sum_n")}
+            print(f"  r{ph['round']} {ph['deployment']}: PD {pd} E {ph.get('e')}")
+        if ph.get("storage"):
+            print(f"  r{ph['round']} {ph['deployment']}: ECExample storage {ph['storage']}")
+    print(cpu_table(phases, deps))
+    print(gpu_table(phases, deps))
+    return summary
+
+
+def merge(paths: list[str]) -> tuple[list[dict], list[dict], list[str], str, dict]:
+    """Rows and phases of several runs' JSON as one run: each run's rounds follow the previous
+    run's (renumbered), deployments in first-seen order, the first run's reference and args."""
+    rows, phases, deps, ref, args, base = [], [], [], None, {}, 0
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if data.get("schema") != SCHEMA:
+            raise ValueError(f"{path}: not an ec-nixl bench serve result ({data.get('schema')!r})")
+        rounds = sorted({r["round"] for r in data["rows"]})
+        renumber = {r: base + i for i, r in enumerate(rounds)}
+        rows += [dict(r, round=renumber[r["round"]]) for r in data["rows"]]
+        phases += [dict(ph, round=renumber.get(ph["round"], ph["round"])) for ph in data.get("phases", [])]
+        base += len(rounds)
+        args = args or data.get("args", {})
+        ref = ref or args.get("reference")
+        deps += [d for d in dict.fromkeys(r["deployment"] for r in data["rows"]) if d not in deps]
+    return rows, phases, deps, ref or "example", args
+
+
 def plot(path: str, summary: list[dict]) -> None:
     from ec_nixl.bench import optional
 
@@ -529,6 +709,17 @@ def plot(path: str, summary: list[dict]) -> None:
 
 def main(argv: Optional[list] = None) -> int:
     args = parser().parse_args(argv)
+    if args.merge:
+        try:
+            rows, phases, deps, ref, _ = merge(args.merge)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"ec-nixl bench serve --merge: {e}", file=sys.stderr)
+            return 2
+        print(f"ec-nixl bench serve: {len(args.merge)} runs merged: {len({r['round'] for r in rows})} rounds of "
+              f"{', '.join(deps)}")
+        summary = report(rows, phases, deps, ref)
+        _write(args, rows, summary, phases)
+        return 0 if not sum(r["failed"] or 0 for r in rows) else 1
     deps = [d.strip() for d in args.deployments.split(",") if d.strip()]
     try:
         bad = [d for d in deps if pd_media(split_variant(d)[0])[0] not in DEPLOYMENTS]
@@ -548,12 +739,17 @@ def main(argv: Optional[list] = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
-        model = str((args.out / "tiny-vl").resolve())
+        shape = args.model_shape
+        model = str((args.out / (shape or "tiny-vl")).resolve())
         if not Path(model, "config.json").exists():
             builder = _root() / "tests" / "e2e" / "build_tiny_vl.py"
-            subprocess.run([sys.executable, str(builder), model], check=True, capture_output=True,
-                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            subprocess.run([sys.executable, str(builder), model, *(["--shape", shape] if shape else [])], check=True,
+                           capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     vllm_args = args.vllm_args.split() if args.vllm_args else list(CPU_VLLM_ARGS)
+    if args.model_shape and "--load-format" not in vllm_args:
+        vllm_args += ["--load-format", "dummy"]  # the shapes only: no weights were written
+    role_args = {"colocated": args.colocated_vllm_args.split(), "encoder": args.encoder_vllm_args.split(),
+                 "pd": args.pd_vllm_args.split()}
     print(f"ec-nixl bench serve: {', '.join(deps)} x {args.rounds} rounds; points (images, concurrency) "
           f"{points(args)}; {args.prompts} prompts each; model {model}", flush=True)
     rows: list[dict] = []
@@ -563,16 +759,17 @@ def main(argv: Optional[list] = None) -> int:
             tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"r{rnd}-{d}")  # a folder name (d may carry @key=value)
             t0 = time.monotonic()
             try:
-                with deployment(d, model, args.port + 100 * i, args.out / tag, vllm_args) as urls:
+                with deployment(d, model, args.port + 100 * i, args.out / tag, vllm_args, role_args) as urls:
                     before, threads_before = cpu_seconds(urls["procs"]), thread_seconds(urls["procs"])
                     got = drive(args, model, urls, tag, rnd, args.out)
                     cpu = {k: round(v - before[k], 3) for k, v in cpu_seconds(urls["procs"]).items() if k in before}
                     threads = {k: round(v - threads_before.get(k, 0.0), 3)
                                for k, v in thread_seconds(urls["procs"]).items()}
-                    phases.append({"round": rnd, "deployment": d, "pd": scrape(urls["pd"]),
+                    phases.append({"round": rnd, "deployment": d, "pd": scrape(urls["pd"]) or pd_status(urls),
                                    "e": producer_stats(urls["e_ec"]), "cpu_s": cpu,
                                    "threads_s": {k: v for k, v in threads.items() if v > 0},
-                                   "requests": sum(r["completed"] or 0 for r in got)})
+                                   "requests": sum(r["completed"] or 0 for r in got),
+                                   "gpu_mib": gpu_memory(urls["procs"]), "storage": filesystem(urls.get("storage"))})
             except Exception as e:  # a deployment that cannot start is reported, the others still run
                 print(f"  {tag}: failed to run: {e}", flush=True)
                 got = [{"images": n, "concurrency": c, "completed": 0, "failed": args.prompts, "req_s": None,
@@ -584,18 +781,27 @@ def main(argv: Optional[list] = None) -> int:
                 print(f"  {tag} images={r['images']} conc={r['concurrency']}: TTFT p50 {_r(r['ttft_p50_ms'])} "
                       f"p99 {_r(r['ttft_p99_ms'])} ms, {_r(r['req_s'])} req/s, failed {r['failed']}", flush=True)
             print(f"  {tag}: {time.monotonic() - t0:.0f} s", flush=True)
-    summary = summarize(rows, deps, args.reference)
-    print()
-    print(table(summary, args.reference))
-    print("\nPD queue (vLLM's queue time: added to the scheduler -> first scheduled; medians of rounds; "
-          "steps: engine steps it waited, 0 = the first step after it arrived):")
-    print(queue_table(summary, args.reference))
-    print("\nconnector phases (means, ms; PD's /metrics and E's side channel at the end of each run):")
-    for ph in phases:
-        if ph["pd"] or ph["e"]:
-            pd = {k: v for k, v in ph["pd"].items() if not k.endswith("_sum_n")}
-            print(f"  r{ph['round']} {ph['deployment']}: PD {pd} E {ph['e']}")
-    print(cpu_table(phases, deps))
+    summary = report(rows, phases, deps, args.reference)
+    _write(args, rows, summary, phases)
+    failed = sum(r["failed"] or 0 for r in rows)
+    return 0 if not failed else 1
+
+
+def pd_status(urls: dict) -> dict[str, Any]:
+    """The PD's connector totals from its ec_port where its /metrics has none (vLLM 0.26)."""
+    if not urls.get("pd_ec"):
+        return {}
+    try:
+        c = instance_stats(urls["pd_ec"]).get("connector", {})
+    except Exception as e:  # statistics are extra: never fail the run for them
+        return {"error": str(e)[:200]}
+    out = {k: int(c.get("counters", {}).get(k, 0)) for k in COUNTERS}
+    out["link_modes"] = c.get("link_modes")
+    out["pool"] = c.get("pool")
+    return out
+
+
+def _write(args, rows: list[dict], summary: list[dict], phases: list[dict]) -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"schema": SCHEMA, "args": {k: (str(v) if isinstance(v, Path) else v)
@@ -604,5 +810,3 @@ def main(argv: Optional[list] = None) -> int:
         print(f"wrote {args.json}")
     if args.plot:
         plot(args.plot, summary)
-    failed = sum(r["failed"] or 0 for r in rows)
-    return 0 if not failed else 1

@@ -64,9 +64,14 @@ class LaunchConfig:
     """Merged into ``ec_connector_extra_config`` of every instance."""
     vllm_args: list[str] = field(default_factory=list)
     """Passed to every instance."""
+    role_vllm_args: dict[str, list[str]] = field(default_factory=dict)
+    """Per role ("encoder", "pd"), after ``vllm_args``: on one GPU, each its own
+    ``--gpu-memory-utilization``; on vLLM 0.26, ``--mm-encoder-only`` for encoders."""
     log_dir: Path = Path("ec-nixl-logs")
     env: dict[str, str] = field(default_factory=dict)
     """Set for every instance (wins over the launcher's per-instance defaults)."""
+    role_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per role, over ``env`` (tests: a fault injected into one role's instances)."""
     gpus: Optional[list[str]] = None
     """Device ids handed out round-robin as CUDA_VISIBLE_DEVICES (None: leave it alone)."""
     startup_timeout_s: float = 900.0
@@ -76,6 +81,9 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.num_encoders < 1 or self.num_pd < 1:
             raise ValueError("need at least one encoder and one PD instance")
+        unknown = (set(self.role_vllm_args) | set(self.role_env)) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown role(s) {sorted(unknown)}: the roles are {sorted(ROLES)}")
         self.log_dir = Path(self.log_dir)
 
 
@@ -186,8 +194,9 @@ def plan(cfg: LaunchConfig) -> list[Instance]:
         ec = ec_transfer_config(cfg, role, f"{name}-{port}", k, device)
         gpu = cfg.gpus[k % len(cfg.gpus)] if cfg.gpus else None
         out.append(Instance(
-            name=name, role=role, port=port, argv=vllm_argv(cfg.model, port, cfg.vllm_args, ec),
-            env=instance_env(dict(os.environ), binds[k], gpu, cfg.env),
+            name=name, role=role, port=port,
+            argv=vllm_argv(cfg.model, port, cfg.vllm_args + cfg.role_vllm_args.get(role, []), ec),
+            env=instance_env(dict(os.environ), binds[k], gpu, {**cfg.env, **cfg.role_env.get(role, {})}),
             log_path=cfg.log_dir / f"{name}.log", ec_transfer_config=ec,
         ))
     return out
@@ -482,13 +491,16 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     p.add_argument("--extra-config", default="{}", type=json.loads, help="JSON merged into ec_connector_extra_config")
     p.add_argument("--vllm-args", default="", type=shlex.split,
                    help="flags for every instance, one shell-quoted string (or use '--' at the end)")
+    p.add_argument("--encoder-vllm-args", default="", type=shlex.split,
+                   help="flags for the encoders only, after the others (e.g. their own --gpu-memory-utilization)")
+    p.add_argument("--pd-vllm-args", default="", type=shlex.split, help="flags for the PD instances only")
     p.add_argument("--log-dir", default="ec-nixl-logs", type=Path)
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="env for every instance")
     p.add_argument("--gpus", type=lambda s: s.split(","), help="e.g. 0,1: CUDA_VISIBLE_DEVICES round-robin")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--proxy-args", default="", type=shlex.split, help="flags for the proxy, one string")
     tail = argv.index("--") if "--" in argv else len(argv)
-    a = p.parse_args(_glue(argv[:tail], ("--vllm-args", "--proxy-args")))
+    a = p.parse_args(_glue(argv[:tail], ("--vllm-args", "--proxy-args", "--encoder-vllm-args", "--pd-vllm-args")))
     if not isinstance(a.extra_config, dict):
         p.error("--extra-config must be a JSON object")
     env = {}
@@ -503,6 +515,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
             base_port=a.base_port, connector=a.connector, connector_module=a.connector_module,
             ec_base_port=a.ec_base_port, ec_port_stride=a.ec_port_stride, ec_buffer_size=a.ec_buffer_size,
             ec_buffer_device=a.ec_buffer_device, extra_config=a.extra_config, vllm_args=a.vllm_args + argv[tail + 1:],
+            role_vllm_args={r: v for r, v in (("encoder", a.encoder_vllm_args), ("pd", a.pd_vllm_args)) if v},
             log_dir=a.log_dir, env=env, gpus=a.gpus, startup_timeout_s=a.startup_timeout, proxy_args=a.proxy_args,
         )
     except ValueError as e:

@@ -8,6 +8,7 @@ feeds Prometheus with per-engine labels.
 
 from __future__ import annotations
 
+import collections
 import statistics
 import threading
 from typing import Any, Optional
@@ -63,29 +64,77 @@ def merge_data(a: Optional[dict], b: Optional[dict], cap: int = 8192) -> dict:
 
 class StatsBook:
     """A scheduler's counters and its workers', per interval (what vLLM takes with
-    ``get_ec_connector_stats``) and since start (what ``ec-nixl status`` shows: vLLM < 0.32 has no
-    other place to show them). The endpoint's I/O thread reads the totals: one lock for both."""
+    ``get_ec_connector_stats``, every step) and since start (what ``ec-nixl status`` shows: vLLM
+    < 0.32 has no other place to show them). The totals are kept in place: counters summed, link
+    modes and pool occupancy the latest, the last ``KEEP`` samples of each series with the count
+    ever seen (so that a reader can take what came since its last look). Adding an interval costs
+    what the interval holds, never what the totals hold. The endpoint's I/O thread reads the
+    totals: one lock."""
 
-    def __init__(self, metrics) -> None:
+    KEEP = 4096
+
+    def __init__(self, metrics, intervals: bool = True) -> None:
+        """``intervals``: vLLM takes intervals (>= 0.32); else workers' reports go straight to the totals."""
         self._metrics = metrics
+        self._intervals = intervals
         self._lock = threading.Lock()
         self._workers: Optional[dict] = None  # reported since the last interval was taken
-        self._taken: Optional[dict] = None  # every interval taken, summed
+        self._totals = empty_data()
+        self._seen: dict[str, int] = {}  # series -> samples ever added
 
     def add_workers(self, data: dict) -> None:
         with self._lock:
-            self._workers = merge_data(self._workers, data)
+            if self._intervals:
+                self._workers = merge_data(self._workers, data)
+            else:
+                self._add(data)
 
     def take_interval(self) -> dict:
         with self._lock:
             data = merge_data(self._metrics.snapshot(reset=True), self._workers)
             self._workers = None
-            self._taken = merge_data(self._taken, data)
+            self._add(data)
         return data
 
     def totals(self) -> dict:
+        """Everything since start (the scheduler's own interval not yet taken included), with
+        ``seen``: how many samples each series ever had (its list holds the last ``KEEP``)."""
         with self._lock:
-            return merge_data(self._taken, merge_data(self._metrics.snapshot(), self._workers))
+            pending = merge_data(self._metrics.snapshot(), self._workers)
+            out = merge_data({**self._totals, **dict(self._series())}, pending, cap=2 * self.KEEP)
+            seen = dict(self._seen)
+        for k in _LISTS:
+            seen[k] = seen.get(k, 0) + len(pending[k])
+        for k, v in pending["phases"].items():
+            seen[f"phase:{k}"] = seen.get(f"phase:{k}", 0) + len(v)
+        out["seen"] = seen
+        return out
+
+    def _series(self):
+        t = self._totals
+        yield from ((k, list(t[k])) for k in _LISTS)
+        yield "phases", {k: list(v) for k, v in t["phases"].items()}
+
+    def _add(self, data: dict) -> None:
+        t = self._totals
+        for key in ("counters", "failure_reasons"):
+            for k, v in (data.get(key) or {}).items():
+                t[key][k] = t[key].get(k, 0) + int(v)
+        for key in ("link_modes", "link_gbps", "link_mode_at", "pool"):
+            t[key].update(data.get(key) or {})
+        for k in _LISTS:
+            self._keep(k, t, k, data.get(k))
+        for k, v in (data.get("phases") or {}).items():
+            self._keep(f"phase:{k}", t["phases"], k, v)
+
+    def _keep(self, name: str, into: dict, key: str, samples) -> None:
+        if not samples:
+            return
+        kept = into.get(key)
+        if not isinstance(kept, collections.deque):
+            kept = into[key] = collections.deque(kept or (), maxlen=self.KEEP)
+        kept.extend(samples)
+        self._seen[name] = self._seen.get(name, 0) + len(samples)
 
 
 class NixlECConnectorStats(ECConnectorStats):

@@ -1,0 +1,43 @@
+"""``ec-nixl bench e2e`` as a test: real vLLM E -> PD on this host against a colocated server, the
+PD's vision tower corrupted (``ec_nixl.bench.vllm_e2e`` says what each check proves).
+
+Marked ``gpu``: it is the GPU's end-to-end test (VRAM pools, NIXL over CUDA IPC, vLLM's GPU model
+runner), and what ``scripts/check_guards.py --marker gpu -k race`` runs against a copy whose load
+barrier is broken. On a CPU host the other tests of this folder cover the same path (and more),
+so it skips there by design; ``EC_NIXL_E2E_ON_CPU=1`` runs it on the CPU anyway (how the race rows
+were checked before a GPU was lent). ``EC_NIXL_E2E_ARGS`` adds ``ec-nixl bench e2e`` options
+(shell words), ``EC_NIXL_E2E_MODE`` forces the PD's link mode (``read``: the PD pulls; ``write``:
+E pushes), as the race rows do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+import pytest
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.e2e, pytest.mark.timeout(1500)]
+
+
+def test_real_vllm_e2e_matches_colocated(tmp_path) -> None:
+    if not torch.cuda.is_available() and os.environ.get("EC_NIXL_E2E_ON_CPU") != "1":
+        pytest.skip("the GPU's end-to-end test (EC_NIXL_E2E_ON_CPU=1 runs it on the CPU)")
+    from ec_nixl.bench.vllm_e2e import Report, parser, run
+
+    argv = ["--out", str(tmp_path), "--json", str(tmp_path / "report.json"),
+            *shlex.split(os.environ.get("EC_NIXL_E2E_ARGS", ""))]
+    mode = os.environ.get("EC_NIXL_E2E_MODE")
+    if mode:
+        argv += ["--extra-config", json.dumps({"mode": mode})]
+    rep = Report()
+    try:
+        run(parser().parse_args(argv), rep)
+    finally:
+        print(json.dumps([vars(c) for c in rep.checks], indent=1, default=str))
+    failed = [f"{c.name}: {c.saw}" for c in rep.checks if not c.ok]
+    assert rep.checks and not failed, "failed checks:\n" + "\n".join(failed)
