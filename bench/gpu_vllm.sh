@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Real vLLM on a GPU host, NixlECConnector with VRAM pools: the end-to-end check, the load race,
+# and the serving benchmark. Any GPU host with vLLM and ec-nixl importable (here: the repo root on
+# PYTHONPATH, or `pip install -e .`); on the lent GPU, after ../shared/tools/gpu-vllm's chunks:
+#   bash .vw/assemble.sh && export PYTHONPATH=/tmp/vsite:/tmp/site:. && bash bench/gpu_vllm.sh e2e
+#
+#   bash bench/gpu_vllm.sh e2e          ec-nixl bench e2e (tiny Qwen2-VL: colocated vs E -> PD, 22 requests,
+#                                       the PD's vision tower corrupted), then the race rows of
+#                                       scripts/check_guards.py against it (~6 min on an H100)
+#   bash bench/gpu_vllm.sh serve TAG    ec-nixl bench serve, Qwen2.5-VL-7B's shapes (dummy weights), 1024x1024
+#                                       images: colocated, ECExample (its files on this host's disk), NixlEC
+#                                       standard flow; concurrency 1,4,8 x 1,2 images; one round (~7 min);
+#                                       run it again with another TAG for more rounds, then merge them:
+#                                       ec-nixl bench serve --merge serve_*.json
+# Everything goes to $OUT (default /tmp/ec-nixl-out): e2e.json, e2e_log.txt, race_log.txt,
+# serve_TAG.json, serve_TAG_log.txt.
+set -uo pipefail
+OUT=${OUT:-/tmp/ec-nixl-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# vLLM 0.26 runs every EC instance on its V1 model runner: the colocated reference too (the same
+# kernels, so greedy tokens can be equal). FlashInfer's sampler kernels are not carried to the lent GPU.
+export VLLM_USE_V2_MODEL_RUNNER=${VLLM_USE_V2_MODEL_RUNNER:-0} VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
+T0=$(date +%s)
+el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+# Encoders load the vision tower only (vLLM 0.26 asks for it; 0.32+ does it for every ec_producer).
+E_ARGS="--mm-encoder-only"
+
+info() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
+  "$PY" -c "import vllm, torch, nixl; print('vllm', vllm.__version__, '| torch', torch.__version__, '| cuda', torch.cuda.is_available())" 2>&1 | tail -1
+  df -T /tmp | tail -1
+}
+
+case "${1:-e2e}" in
+e2e)
+  info
+  el "ec-nixl bench e2e (CUDA graphs on)"
+  timeout -k 10 330 "$PY" -m ec_nixl.cli bench e2e --out /tmp/e2e --json "$OUT/e2e.json" \
+      --encoder-vllm-args="$E_ARGS" 2>&1 | tee "$OUT/e2e_log.txt"
+  el "exit ${PIPESTATUS[0]}"
+  # The race rows: each runs the same check against a copy whose load barrier is broken (eager, to
+  # save the compile); the run above is their baseline.
+  el "check_guards --marker gpu -k race"
+  EC_NIXL_E2E_ARGS="--encoder-vllm-args=$E_ARGS --vllm-args='--max-model-len 2048 --max-num-seqs 8 --dtype bfloat16 --enforce-eager --limit-mm-per-prompt {\"image\":4,\"video\":0}'" \
+    timeout -k 10 ${RACE_TIMEOUT:-250} "$PY" scripts/check_guards.py --marker gpu -k race --no-baseline --timeout 200 \
+      2>&1 | tee "$OUT/race_log.txt"
+  el "exit ${PIPESTATUS[0]}"
+  ;;
+serve)
+  TAG=${2:-r0}
+  info
+  el "ec-nixl bench serve $TAG"
+  timeout -k 10 ${SERVE_TIMEOUT:-560} "$PY" -m ec_nixl.cli bench serve --out "/tmp/serve-$TAG" --model-shape qwen2.5-vl-7b \
+      --deployments ${DEPLOYMENTS:-colocated,example,nixl-seq} --reference example --rounds 1 \
+      --concurrency 1,4,8 --images 1,2 --prompts ${PROMPTS:-16} --image-sizes 1024x1024 --input-len 32 --output-len 16 \
+      --vllm-args "--max-model-len 4096 --max-num-seqs 16 --max-num-batched-tokens 8192 --enforce-eager --dtype bfloat16 --limit-mm-per-prompt {\"image\":2,\"video\":0}" \
+      --colocated-vllm-args "--gpu-memory-utilization 0.85" \
+      --encoder-vllm-args "--gpu-memory-utilization 0.15 $E_ARGS" --pd-vllm-args "--gpu-memory-utilization 0.7" \
+      --port 18000 --json "$OUT/serve_$TAG.json" 2>&1 | tee "$OUT/serve_${TAG}_log.txt"
+  el "exit ${PIPESTATUS[0]}"
+  ;;
+*)
+  echo "usage: bash bench/gpu_vllm.sh {e2e|serve TAG}" >&2
+  exit 2
+  ;;
+esac
