@@ -24,8 +24,9 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export VLLM_USE_V2_MODEL_RUNNER=${VLLM_USE_V2_MODEL_RUNNER:-0} VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
 T0=$(date +%s)
 el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-# Encoders load the vision tower only (vLLM 0.26 asks for it; 0.32+ does it for every ec_producer).
-E_ARGS="--mm-encoder-only"
+# Encoders load the vision tower only and keep no prefix cache (they have no KV cache): vLLM 0.26
+# asks for both (its ECExample encoder fails at start with prefix caching on); 0.32+ does it itself.
+E_ARGS="--mm-encoder-only --no-enable-prefix-caching"
 
 info() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
@@ -43,7 +44,7 @@ e2e)
   # The race rows: each runs the same check against a copy whose load barrier is broken (eager, to
   # save the compile); the run above is their baseline.
   el "check_guards --marker gpu -k race"
-  EC_NIXL_E2E_ARGS="--encoder-vllm-args=$E_ARGS --vllm-args='--max-model-len 2048 --max-num-seqs 8 --dtype bfloat16 --enforce-eager --limit-mm-per-prompt {\"image\":4,\"video\":0}'" \
+  EC_NIXL_E2E_ARGS="--encoder-vllm-args='$E_ARGS' --vllm-args='--max-model-len 2048 --max-num-seqs 8 --dtype bfloat16 --enforce-eager --limit-mm-per-prompt {\"image\":4,\"video\":0}'" \
     timeout -k 10 ${RACE_TIMEOUT:-250} "$PY" scripts/check_guards.py --marker gpu -k race --no-baseline --timeout 200 \
       2>&1 | tee "$OUT/race_log.txt"
   el "exit ${PIPESTATUS[0]}"
