@@ -51,6 +51,14 @@ class NixlECConnector(ECConnectorBase):
             from ec_nixl.vllm.scheduler import SchedulerSide
 
             self.scheduler = SchedulerSide(vllm_config, self.opts, placement(vllm_config, worker=False))
+            cache = vllm_config.cache_config
+            if self.is_producer and not self.is_consumer and cache.enable_prefix_caching:
+                # An encode-only instance has no KV cache. vLLM >= 0.32 turns prefix caching off
+                # for it; 0.26 keeps it on, and its scheduler, which creates this connector just
+                # before its KV cache manager, then fails to build a prefix-caching manager over
+                # no KV cache groups (HybridKVCacheCoordinator's assertion).
+                logger.info("NixlECConnector: prefix caching off in this encode-only instance (it has no KV cache)")
+                cache.enable_prefix_caching = False
         else:
             from ec_nixl.vllm.worker import WorkerSide
 

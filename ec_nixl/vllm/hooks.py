@@ -15,12 +15,16 @@ worker meta -> scheduler       no     yes     sends the workers' reports over it
 (update_connector_output)                     (``report_channel``)
 take_unavailable_requests      no     yes     cannot fail a request: ``fallback: fail`` is refused at start
                                               (0.26 has no metadata-only items, so every item can be encoded)
+metadata-only items            no     yes     nothing: every item carries its media; announcements carry
+(collect_ec_item_metadata)                    no ``metadata`` entry (no consumer of this vLLM could use one)
 ECConnectorStats / Prometheus  no     yes     nothing in vLLM's log or /metrics; ``ec-nixl status`` reads
                                               the same counters from the instance's ``ec_port``
 encoder output widths          no     yes     uses the LM's embedding size (right for Qwen2/2.5-VL; where
                                               the encoder's output is wider, the shapes disagree at the
                                               consumer's Hold and PD encodes the item itself)
 Model Runner V2's EC wrapper   no     yes     nothing: vLLM 0.26 runs every EC instance on the V1 runner
+encode-only config             no     yes     turns prefix caching off in an encode-only instance (0.26's
+(is_mm_encoder_only)                          scheduler cannot build it over no KV cache groups)
 =============================  =====  ======  =============================================================
 """
 
@@ -50,6 +54,13 @@ FAILS_REQUESTS = hasattr(_Base, "take_unavailable_requests")
 STATS = importlib.util.find_spec("vllm.distributed.ec_transfer.ec_connector.metrics") is not None
 """``ECConnectorStats`` and ``ECConnectorPromMetrics`` exist (vLLM's log line and /metrics)."""
 
+METADATA_ONLY = importlib.util.find_spec("vllm.distributed.ec_transfer.ec_connector.utils") is not None
+"""A consumer accepts items without their media (a router's placeholders, ``allow_missing_mm_embeddings``),
+described by ``collect_ec_item_metadata``; without it every item a consumer sees carries its media."""
+
+MRV2_EC = importlib.util.find_spec("vllm.v1.worker.gpu.ec_connector") is not None
+"""Model Runner V2 has its EC wrapper (without it vLLM runs EC instances on the V1 runner)."""
+
 WorkerMetadataBase = getattr(_base, "ECConnectorWorkerMetadata", object)
 """What ``NixlECWorkerMeta`` derives from (a plain object where vLLM has no such type)."""
 
@@ -58,5 +69,6 @@ def missing() -> list[str]:
     """The hooks this vLLM lacks, by name (empty on 0.32+), for the start-up log line."""
     names = {"start_worker_services": WORKER_SERVICES, "start_save_caches": SAVE_PREP,
              "update_state_after_free": FREE_HOOK, "worker reports": WORKER_REPORTS,
-             "take_unavailable_requests": FAILS_REQUESTS, "connector stats": STATS}
+             "take_unavailable_requests": FAILS_REQUESTS, "connector stats": STATS,
+             "metadata-only items": METADATA_ONLY}
     return [n for n, has in names.items() if not has]
