@@ -130,4 +130,4 @@ def test_installed_vllm_is_in_the_supported_range(monkeypatch):
         assert not plugin.warn_if_untested()
     finally:
         log.removeHandler(handler)
-    assert any("tested with vLLM 0.32 to 0.34; this is vLLM 0.35.0.dev1+gabc" in m for m in seen), seen
+    assert any("tested with vLLM 0.26 and 0.32 to 0.34; this is vLLM 0.35.0.dev1+gabc" in m for m in seen), seen

