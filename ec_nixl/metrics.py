@@ -45,6 +45,7 @@ COUNTERS = (
     "native_answers_unsent",  # producer: of those, sends that could not go (answered from Python instead)
     "publish_wakes",  # producer: publishes that woke the I/O thread for waiting requests (none: all native)
     "expected_items",  # consumer scheduler: items asked for before their encoder finished (ec_nixl_expect)
+    "malformed_reports",  # consumer scheduler (vLLM < 0.32): workers' step reports dropped (report_channel)
 )
 
 PHASES = (

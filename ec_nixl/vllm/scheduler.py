@@ -126,7 +126,7 @@ class SchedulerSide:
         self._busy = False  # the last step scheduled tokens: a new load would stall a batch
         self._idle_blocked_step = -1  # the step in which an idle engine last blocked for a Hold answer
         self._unavailable: set[str] = set()
-        self.stand_ins = SchedulerStandIns(place)  # for the hooks this vLLM lacks (< 0.32)
+        self.stand_ins = SchedulerStandIns(place, self.metrics)  # for the hooks this vLLM lacks (< 0.32)
         self._release: list[str] = []
         self._loaded: set[str] = set()  # remote items handed to workers, not yet released
         self._with_step: collections.deque[NixlECMetadata] = collections.deque()
@@ -412,8 +412,7 @@ class SchedulerSide:
             self._release.append(h)
 
     def build_connector_meta(self, scheduler_output) -> NixlECMetadata:
-        for report in self.stand_ins.reports():  # (vLLM < 0.32 sends no worker meta to update_connector_output)
-            self.update_connector_output(report)
+        self.stand_ins.take_reports(self.update_connector_output)  # (vLLM < 0.32 sends no worker meta to it)
         for request, index in self.stand_ins.committed_before(scheduler_output):  # (< 0.32: no such hook)
             self.update_state_after_free(request, index)
         self._cancel_waiting()

@@ -1,7 +1,8 @@
 """What the scheduler does itself where vLLM lacks a hook (vLLM < 0.32; the table is in ``hooks``).
 
 * No worker meta reaches ``update_connector_output``: the workers' reports come over
-  ``report_channel`` instead, drained once per step.
+  ``report_channel`` instead, drained once per step; one that does not decode or apply is dropped,
+  logged and counted (``malformed_reports``), never raised into vLLM's step.
 * No ``update_state_after_free``: ``CommitWatch`` reads from each step the scheduler builds which
   loaded items that step commits to the KV cache. vLLM 0.32+ calls the hook once the step that
   computed an item's last placeholder token has run, and the consumer then gives the item's pool
@@ -12,11 +13,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import logging
+from typing import Any, Callable, Optional
 
+from ec_nixl.metrics import Metrics
 import ec_nixl.vllm.hooks as hooks
 from ec_nixl.vllm.metadata import NixlECWorkerMeta
 from ec_nixl.vllm.options import Placement
+
+logger = logging.getLogger("ec_nixl.vllm")
 
 
 class CommitWatch:
@@ -52,7 +57,9 @@ class CommitWatch:
 class SchedulerStandIns:
     """The scheduler's stand-ins for the hooks this vLLM lacks (each a no-op where it has them)."""
 
-    def __init__(self, place: Placement):
+    def __init__(self, place: Placement, metrics: Metrics):
+        self._metrics = metrics
+        self._malformed = 0  # of the inbox's, counted already
         self._inbox = None
         if place.is_consumer and not hooks.WORKER_REPORTS:
             from ec_nixl.vllm.report_channel import ReportInbox
@@ -61,9 +68,23 @@ class SchedulerStandIns:
         self._watch: Optional[CommitWatch] = None if hooks.FREE_HOOK else CommitWatch()
         self._committed: list[tuple[Any, int]] = []  # by the last step built
 
-    def reports(self) -> list[NixlECWorkerMeta]:
-        """The workers' reports sent since the last step."""
-        return self._inbox.drain() if self._inbox is not None else []
+    def take_reports(self, apply: Callable[[NixlECWorkerMeta], None]) -> None:
+        """``apply`` each of the workers' reports sent since the last step. A report that does not
+        decode (the inbox's count) or whose ``apply`` raises (a stats entry of the wrong type) is
+        dropped and counted: the scheduler's step goes on."""
+        if self._inbox is None:
+            return
+        bad = 0
+        for report in self._inbox.drain():
+            try:
+                apply(report)
+            except Exception as e:  # noqa: BLE001  (a worker's report must never stop the scheduler)
+                bad += 1
+                logger.warning("ec-nixl: dropped a worker report the scheduler could not apply: %r", e)
+        bad += self._inbox.malformed - self._malformed
+        self._malformed = self._inbox.malformed
+        if bad:
+            self._metrics.count("malformed_reports", bad)
 
     def loaded(self, request, index: int) -> None:
         if self._watch is not None:
