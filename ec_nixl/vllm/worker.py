@@ -337,10 +337,13 @@ class WorkerSide:
         self._loaded, self._failed, self._rerouted = [], [], []
         return meta
 
-    def send_report(self) -> None:
-        """vLLM < 0.32: this step's report goes to the scheduler over ``report_channel``."""
-        if self._reports is not None:
-            self._reports.send(self.worker_meta())
+    def send_report(self) -> Optional[NixlECWorkerMeta]:
+        """vLLM < 0.32: this step's report goes to the scheduler over ``report_channel`` (returned)."""
+        if self._reports is None:
+            return None
+        report = self.worker_meta()
+        self._reports.send(report)
+        return report
 
     def shutdown(self) -> None:
         self._held.clear()
