@@ -26,7 +26,9 @@ Two things are not vLLM's (stand-ins, not fault injections):
   not run on a CPU host; its effect on the gather (which requests, how many tokens, from where)
   is derived here from ``SchedulerOutput`` directly.
 
-Every engine runs on vLLM's CPU platform (``VLLM_TARGET_DEVICE=cpu`` with the GPU wheels).
+Every engine runs on vLLM's CPU platform (``VLLM_TARGET_DEVICE=cpu`` with the GPU wheels). A vLLM
+without MRv2's EC wrapper (0.26) runs its EC instances on the V1 runner: ``v1_engine.V1Engine`` is
+this engine with the worker's EC calls made by V1's mixin, and ``ProducerEngineProcess`` uses it there.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def vllm_config(model: str, role: str, port: int = 0, extra: Optional[dict] = None, **ec):
+def vllm_config(model: str, role: str, port: int = 0, extra: Optional[dict] = None, engine: Optional[dict] = None,
+                **ec):
+    """``extra``: the connector's extra config; ``engine``: more EngineArgs; ``ec``: more ec_transfer_config."""
     from vllm.engine.arg_utils import EngineArgs
 
     cfg = {"ec_connector": "NixlECConnector", "ec_role": role, "ec_buffer_device": "cpu",
@@ -74,7 +78,7 @@ def vllm_config(model: str, role: str, port: int = 0, extra: Optional[dict] = No
            "ec_connector_extra_config": {"nixl_progress_thread": False, **(extra or {})}}
     cfg.update(ec)
     return create_engine_config(EngineArgs(model=model, max_model_len=1024, enforce_eager=True, dtype="bfloat16",
-                                           ec_transfer_config=cfg))
+                                           ec_transfer_config=cfg, **(engine or {})))
 
 
 def pixels(seed: int) -> torch.Tensor:
@@ -142,27 +146,32 @@ def encoded(seed: int) -> torch.Tensor:
 class MRv2Engine:
     """vLLM's Scheduler + MRv2's EC wrapper, EncoderCache and EncoderRunner in one process."""
 
+    RUNNER_V2 = True
+    """The scheduler sends what MRv2 expects (vLLM <= 0.33 picks V1 where Triton is missing)."""
+
     def __init__(self, vc, *, num_blocks: int = 256):
         from vllm.distributed.ec_transfer import ensure_ec_transfer_initialized, get_ec_transfer
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
-        from vllm.v1.worker.gpu.ec_connector import ActiveECConnector, get_ec_connector
         from vllm.v1.worker.gpu.mm.encoder_cache import EncoderCache
         from vllm.v1.worker.gpu.mm.encoder_runner import EncoderRunner
 
         import ec_nixl.vllm
+        import ec_nixl.vllm.hooks as hooks
 
         ec_nixl.vllm.register()  # what the vllm.general_plugins entry point does in every process
         self.vc = vc
-        self.encode_only = bool(vc.is_mm_encoder_only)
-        # Worker process: vLLM creates the WORKER-role connector and starts its services.
+        ec = vc.ec_transfer_config  # (vLLM 0.26 has no is_mm_encoder_only: producer-only is encode-only)
+        self.encode_only = bool(getattr(vc, "is_mm_encoder_only", ec.is_ec_producer and not ec.is_ec_consumer))
+        # Worker process: vLLM creates the WORKER-role connector and (>= 0.32, in load_model) starts
+        # its services; an older vLLM has no such call (the connector started them when created).
         ensure_ec_transfer_initialized(vc)
         self.connector = get_ec_transfer()
-        self.connector.start_worker_services()
+        if hooks.WORKER_SERVICES:
+            self.connector.start_worker_services()
         self.encoder_cache = EncoderCache()
-        self.ec = get_ec_connector(vc, self.encoder_cache)
-        assert isinstance(self.ec, ActiveECConnector), type(self.ec)
+        self.ec = self._ec_wrapper(vc)
         self.model = ProjectionEncoder()
         self.runner = EncoderRunner(model=self.model, max_num_tokens=vc.scheduler_config.max_num_batched_tokens,
                                     hidden_size=WIDTH, encoder_cache=self.encoder_cache, dtype=torch.bfloat16,
@@ -177,7 +186,7 @@ class MRv2Engine:
         self.scheduler = Scheduler(vllm_config=vc, kv_cache_config=kv,
                                    structured_output_manager=StructuredOutputManager(vc), block_size=block,
                                    log_stats=True)
-        if hasattr(self.scheduler, "use_v2_model_runner"):
+        if self.RUNNER_V2 and hasattr(self.scheduler, "use_v2_model_runner"):
             # vLLM <= 0.33 picks the runner from the config, which picks V1 without Triton; the
             # worker here is MRv2, so the scheduler must send what MRv2 expects (prefill ids).
             self.scheduler.use_v2_model_runner = True
@@ -190,6 +199,14 @@ class MRv2Engine:
         self.steps = self.zero_token_steps = 0
         self.worker_meta: list[Any] = []  # every ECConnectorWorkerMetadata the worker produced
         self._wrap_save_caches()
+
+    def _ec_wrapper(self, vc):
+        """MRv2's EC wrapper around the worker's connector (``get_ec_connector``)."""
+        from vllm.v1.worker.gpu.ec_connector import ActiveECConnector, get_ec_connector
+
+        ec = get_ec_connector(vc, self.encoder_cache)
+        assert isinstance(ec, ActiveECConnector), type(ec)
+        return ec
 
     def _wrap_save_caches(self) -> None:
         """Record which keys MRv2 asks to save (observation only; the call goes through)."""
@@ -215,9 +232,9 @@ class MRv2Engine:
 
     def finish_step(self, so, out) -> None:
         self.steps += 1
-        ec_out = out.ec_connector_output
-        if ec_out is not None and ec_out.ec_connector_worker_meta is not None:
-            self.worker_meta.append(ec_out.ec_connector_worker_meta)
+        meta = getattr(out.ec_connector_output, "ec_connector_worker_meta", None)  # (vLLM >= 0.32)
+        if meta is not None:
+            self.worker_meta.append(meta)
         for outputs in self.scheduler.update_from_output(so, out).values():
             for o in outputs.outputs:
                 self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -334,11 +351,17 @@ class MRv2Engine:
 # ------------------------------------------------------------------------------ producer process
 
 
-def _producer_main(conn, model: str, port: int, extra: dict) -> None:
-    """An encode-only (``ec_producer``) MRv2Engine in its own process, driven over a pipe."""
+def _producer_main(conn, model: str, port: int, extra: dict, runner: str) -> None:
+    """An encode-only (``ec_producer``) engine in its own process, driven over a pipe."""
     torch.set_num_threads(1)
     try:
-        engine = MRv2Engine(vllm_config(model, "ec_producer", port=port, extra=extra))
+        import ec_nixl.vllm.hooks as hooks
+
+        if runner == "v1" or not hooks.MRV2_EC:  # (vLLM 0.26: EC instances run on the V1 runner)
+            from v1_engine import V1Engine as cls
+        else:
+            cls = MRv2Engine
+        engine = cls(vllm_config(model, "ec_producer", port=port, extra=extra))
         engine.vc.ec_transfer_config.mm_encoder_output_widths = {"image": WIDTH}  # measured at startup in vLLM
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -355,7 +378,11 @@ def _producer_main(conn, model: str, port: int, extra: dict) -> None:
                 for rid, images in args:
                     engine.add(make_request(rid, images))
                 want = {rid for rid, _ in args}
-                engine.run_until(lambda: want <= set(engine.finished), what="encode")
+                # EngineCore steps while the scheduler has requests, finished ones included (their
+                # ids go to the workers with one more step, which also re-publishes the cache hits
+                # they announced)
+                engine.run_until(lambda: want <= set(engine.finished) and not engine.scheduler.has_requests(),
+                                 what="encode")
                 conn.send(("ok", {rid: engine.finished[rid].ec_transfer_params for rid in want}))
             elif cmd == "state":
                 w = engine.worker
@@ -373,13 +400,16 @@ def _producer_main(conn, model: str, port: int, extra: dict) -> None:
 
 
 class ProducerEngineProcess:
-    """An E instance: vLLM's scheduler and MRv2's EC path with NixlECConnector, in a child process."""
+    """An E instance: vLLM's scheduler and MRv2's EC path (V1's where vLLM has no MRv2 EC wrapper)
+    with NixlECConnector, in a child process."""
 
-    def __init__(self, model: str, extra: Optional[dict] = None, timeout: float = 300.0):
+    def __init__(self, model: str, extra: Optional[dict] = None, timeout: float = 300.0, runner: str = "mrv2"):
+        """``runner``: "mrv2" (where vLLM has MRv2's EC wrapper; else V1) or "v1"."""
         ctx = mp.get_context("spawn")
         self.port = free_port()
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_producer_main, args=(child, model, self.port, extra or {}), daemon=True)
+        self.proc = ctx.Process(target=_producer_main, args=(child, model, self.port, extra or {}, runner),
+                                daemon=True)
         self.proc.start()
         child.close()
         status, value = self._recv(timeout, "start")

@@ -19,6 +19,13 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is part of the test environment")
 
+import ec_nixl.vllm.hooks as hooks  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not hooks.MRV2_EC, reason="this vLLM has no Model Runner V2 EC wrapper (vllm.v1.worker.gpu.ec_connector; "
+    "vLLM 0.26 lists EC transfer among MRv2's unsupported features): its EC instances run the V1 runner, "
+    "tested in test_vllm_v1_runner.py")
+
 from mrv2_engine import ROWS, WIDTH, MRv2Engine, encoded, make_request, vllm_config  # noqa: E402
 from peers import make_item  # noqa: E402
 from vllm_fixtures import BF16, compat, e_engine, tiny_model  # noqa: E402,F401  (fixtures)
