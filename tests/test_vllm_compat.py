@@ -167,8 +167,15 @@ def as_026(monkeypatch):
         monkeypatch.setattr(hooks, name, False)
 
 
+@pytest.fixture(scope="module")
+def pd_config(tiny_model):  # noqa: F811
+    """A PD's config (the worker's first handshake, link probe included, took over 2 s on a busy
+    2-core box: a generous peer timeout, which no test here waits out)."""
+    return vllm_config(tiny_model, "ec_consumer", extra={"peer_timeout_s": "10"})
+
+
 @pytest.fixture
-def pd(consumer_config, as_026):
+def pd(pd_config, as_026):
     """A PD's two connectors as vLLM 0.26 makes them: the scheduler's, and a worker's (which starts
     its endpoint when created: 0.26 has no start_worker_services)."""
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
@@ -178,9 +185,9 @@ def pd(consumer_config, as_026):
     made = []
 
     def make():
-        s = NixlECConnector(consumer_config, ECConnectorRole.SCHEDULER)
+        s = NixlECConnector(pd_config, ECConnectorRole.SCHEDULER)
         made.append(s)
-        w = NixlECConnector(consumer_config, ECConnectorRole.WORKER)
+        w = NixlECConnector(pd_config, ECConnectorRole.WORKER)
         made.append(w)
         assert w.worker.endpoint is not None, "the worker's endpoint was not started when it was created"
         return s, w
