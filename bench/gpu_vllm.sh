@@ -28,6 +28,14 @@ el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 # asks for both (its ECExample encoder fails at start with prefix caching on); 0.32+ does it itself.
 E_ARGS="--mm-encoder-only --no-enable-prefix-caching"
 
+# The plugin's entry point, so that every vLLM process loads it (bench serve's request traces come
+# with it): where it is not installed, the package (metadata and a copy) goes to /tmp/ecsite, AFTER
+# the checkout on the path, so the checkout's code is what runs.
+if ! "$PY" -c "import sys; from importlib.metadata import entry_points as e; sys.exit(not any(p.value.startswith('ec_nixl.vllm') for p in e(group='vllm.general_plugins')))" 2>/dev/null; then
+  EC_NIXL_NO_EXT=1 timeout 120 "$PY" -m pip install -q --no-deps --no-build-isolation --no-compile --target /tmp/ecsite . \
+      >/tmp/ecsite.log 2>&1 && export PYTHONPATH="${PYTHONPATH:-}:/tmp/ecsite" || echo "plugin not installed (see /tmp/ecsite.log): no request traces"
+fi
+
 info() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
   "$PY" -c "import vllm, torch, nixl; print('vllm', vllm.__version__, '| torch', torch.__version__, '| cuda', torch.cuda.is_available())" 2>&1 | tail -1
@@ -38,14 +46,18 @@ case "${1:-e2e}" in
 e2e)
   info
   el "ec-nixl bench e2e (CUDA graphs on)"
+  [ "${RACE_ONLY:-0}" = 1 ] && el "(RACE_ONLY=1: the race rows alone, against an earlier e2e as their baseline)" ||
   timeout -k 10 330 "$PY" -m ec_nixl.cli bench e2e --out /tmp/e2e --json "$OUT/e2e.json" \
       --encoder-vllm-args="$E_ARGS" 2>&1 | tee "$OUT/e2e_log.txt"
-  el "exit ${PIPESTATUS[0]}"
+  rc=${PIPESTATUS[0]}
+  el "exit $rc"
   # The race rows: each runs the same check against a copy whose load barrier is broken (eager, to
-  # save the compile); the run above is their baseline.
+  # save the compile); the run above is their baseline, so they run only if it passed.
+  [ "$rc" -eq 0 ] || [ "${RACE_ONLY:-0}" = 1 ] || { el "race rows not run: the unbroken e2e did not pass"; exit "$rc"; }
   el "check_guards --marker gpu -k race"
   EC_NIXL_E2E_ARGS="--encoder-vllm-args='$E_ARGS' --vllm-args='--max-model-len 2048 --max-num-seqs 8 --dtype bfloat16 --enforce-eager --limit-mm-per-prompt {\"image\":4,\"video\":0}'" \
-    timeout -k 10 ${RACE_TIMEOUT:-250} "$PY" scripts/check_guards.py --marker gpu -k race --no-baseline --timeout 200 \
+  EC_NIXL_E2E_REPORT="$OUT/race_report.json" \
+    timeout -k 10 ${RACE_TIMEOUT:-250} "$PY" scripts/check_guards.py --marker gpu -k "${RACE:-race}" --no-baseline --timeout 200 \
       2>&1 | tee "$OUT/race_log.txt"
   el "exit ${PIPESTATUS[0]}"
   ;;

@@ -217,6 +217,7 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
         if ibv.is_dir():
             env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(ibv), os.environ.get("LD_LIBRARY_PATH", "")) if p)
     cfg = LaunchConfig(model=model, connector=CONNECTOR[name], port=port, base_port=port + 10,
+                       connector_module="ec_nixl.vllm" if name.startswith("nixl") and not plugin_registered() else None,
                        ec_base_port=port + 50, vllm_args=vllm_args, log_dir=log_dir, env=env,
                        ec_buffer_device=None if cuda else "cpu", ec_buffer_size=POOL_BYTES,
                        proxy_args=proxy_args, extra_config=extra, startup_timeout_s=900.0,
@@ -236,6 +237,13 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
                "trace": log_dir / "trace", "pd_role": "ec_consumer",
                "storage": (cfg.extra_config.get("shared_storage_path")
                            or str((log_dir / "ec_cache").resolve())) if name == "example" else None}
+
+
+def plugin_registered() -> bool:
+    """Whether NixlECConnector is installed as a vLLM plugin here (else: ``ec_connector_module_path``)."""
+    from importlib.metadata import entry_points
+
+    return any(ep.value.startswith("ec_nixl.vllm") for ep in entry_points(group="vllm.general_plugins"))
 
 
 def _cuda() -> bool:

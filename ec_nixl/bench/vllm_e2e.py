@@ -47,6 +47,9 @@ CPU_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "4", "--enforce-eager",
 GPU_ARGS = ["--max-model-len", "2048", "--max-num-seqs", "8", "--dtype", "bfloat16",
             "--limit-mm-per-prompt", '{"image":4,"video":0}']
 MAX_TOKENS = 8
+LEASE_S = 15.0
+"""E's announce lease here (60 s by default): an encoder-cache hit E publishes again for a turn-2
+request whose PD holds the image itself is never read, and leaves E's pool when its lease ends."""
 
 
 @dataclass
@@ -132,13 +135,6 @@ def wait_for(pred: Callable[[], Any], timeout_s: float, every_s: float = 0.25) -
         time.sleep(every_s)
 
 
-def plugin_registered() -> bool:
-    """Whether NixlECConnector is installed as a vLLM plugin here (else: ``ec_connector_module_path``)."""
-    from importlib.metadata import entry_points
-
-    return any(ep.value.startswith("ec_nixl.vllm") for ep in entry_points(group="vllm.general_plugins"))
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ec-nixl bench e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a Qwen2-VL / Qwen2.5-VL model (default: the tiny one, built under --out)")
@@ -151,13 +147,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-args", default=None, help="flags for every instance (default: small settings)")
     p.add_argument("--encoder-vllm-args", default="", help="flags for E only (e.g. --mm-encoder-only on vLLM 0.26)")
     p.add_argument("--extra-config", default="{}", type=json.loads,
-                   help="JSON merged into ec_connector_extra_config of E and PD (e.g. {\"mode\": \"read\"})")
+                   help="JSON merged into ec_connector_extra_config of E and PD (e.g. {\"mode\": \"read\"}); "
+                        f"announce_lease_s defaults to {LEASE_S:.0f} here (what the drain check waits for)")
     p.add_argument("--json", default=None, help="write the report here")
     return p
 
 
 def run(args, rep: Report) -> Report:
-    from ec_nixl.bench.serve import _env, _root
+    from ec_nixl.bench.serve import _env, _root, plugin_registered
     from ec_nixl.disagg.launcher import Cluster, Instance, LaunchConfig, Supervisor, instance_env, vllm_argv
 
     device = args.device or ("cuda" if _cuda() else "cpu")
@@ -178,6 +175,7 @@ def run(args, rep: Report) -> Report:
     import ec_nixl
 
     rep.info = {"device": device, "model": model, "vllm_args": common, "per_role": per_role,
+                "extra_config": {"announce_lease_s": LEASE_S, **args.extra_config},
                 "colocated_args": colocated_args, "ec_nixl": ec_nixl.__file__, "vllm": _vllm_version(),
                 "plugin": plugin_registered()}
     print(f"ec-nixl bench e2e: {json.dumps(rep.info)}", flush=True)
@@ -185,13 +183,15 @@ def run(args, rep: Report) -> Report:
                        connector="NixlECConnector", connector_module=None if rep.info["plugin"] else "ec_nixl.vllm",
                        ec_base_port=args.port + 20, ec_buffer_size=args.pool_mb << 20, ec_buffer_device=device,
                        vllm_args=common, role_vllm_args=per_role, role_env={"pd": pd_env}, log_dir=logs, env=env,
-                       extra_config=dict(args.extra_config), startup_timeout_s=900.0)
+                       extra_config={"announce_lease_s": LEASE_S, **args.extra_config}, startup_timeout_s=900.0)
     colocated = Instance(name="colocated", role="baseline", port=args.port + 10, log_path=logs / "colocated.log",
                          argv=vllm_argv(model, args.port + 10, colocated_args, None),
                          env=instance_env(dict(os.environ), None, None, env))
     t0 = time.monotonic()
     with Supervisor() as sup, Cluster(cfg) as cluster:
         sup.spawn(colocated)
+        if device == "cuda":  # one GPU: one start-up at a time (Cluster.start says why)
+            sup.wait_healthy([colocated], 900.0)
         cluster.start()
         sup.wait_healthy([colocated], 900.0)
         cluster.wait_ready()
@@ -248,7 +248,9 @@ def _check_transfers(rep: Report, e_addr: str, pd_addr: str, before: dict, pd_ur
         return rep.e_status["pool"]["used"] == 0 and rep.e_status.get("items") == 0 and \
             bool(pools) and all(p.get("used") == 0 for p in pools.values())
 
-    ok = wait_for(drained, 20.0)
+    lease = float(args_lease(rep))
+    ok = wait_for(drained, lease + 10.0)
+    unread = {h: it for h, it in (rep.e_status.get("holding") or {}).items() if not it.get("pins") and not it.get("interest")}
     conn = rep.pd_status.get("connector", {})
     counters = {k: int(v) - int(before.get(k, 0)) for k, v in conn.get("counters", {}).items()}
     pools = conn.get("pool", {})
@@ -269,8 +271,13 @@ def _check_transfers(rep: Report, e_addr: str, pd_addr: str, before: dict, pd_ur
     bad = {k: counters.get(k, 0) for k in ("local_fallbacks", "late_fallbacks", "loads_failed", "failed_transfers")}
     rep.check("0 local fallbacks, 0 failed loads", not any(bad.values()), bad)
     rep.check("pools drained at the end (E's and the PD's)", ok,
-              f"E used {rep.e_status.get('pool', {}).get('used')} B, items {rep.e_status.get('items')}; "
+              f"E used {rep.e_status.get('pool', {}).get('used')} B, items {rep.e_status.get('items')} "
+              f"({len(unread)} unclaimed, waiting out their {lease:.0f} s lease) after {lease + 10:.0f} s at most; "
               f"PD {({r: p.get('used') for r, p in pools.items()})}")
+
+
+def args_lease(rep: Report) -> float:
+    return float(rep.info.get("extra_config", {}).get("announce_lease_s", 60.0))
 
 
 def _turn2_images(rep: Report) -> int:

@@ -75,6 +75,11 @@ class LaunchConfig:
     gpus: Optional[list[str]] = None
     """Device ids handed out round-robin as CUDA_VISIBLE_DEVICES (None: leave it alone)."""
     startup_timeout_s: float = 900.0
+    one_by_one: Optional[bool] = None
+    """Start each instance once the previous one serves. None: where they share one GPU (the
+    buffer device is CUDA and no ``gpus`` are given): vLLM's start-up memory profiling counts what
+    another process allocates meanwhile as its own (a PD started beside E found no memory left
+    for its KV cache)."""
     proxy_args: list[str] = field(default_factory=list)
     """Extra flags for the proxy (e.g. its timeouts)."""
 
@@ -448,9 +453,16 @@ class Cluster(Supervisor):
         return f"http://{host}:{self.cfg.port}"
 
     def start(self) -> None:
-        """Start every vLLM instance at once (each takes tens of seconds to come up)."""
+        """Start every vLLM instance: at once (each takes tens of seconds to come up), or one after
+        the other where they share a GPU (``LaunchConfig.one_by_one``)."""
+        cfg = self.cfg
+        one_by_one = cfg.one_by_one
+        if one_by_one is None:
+            one_by_one = not cfg.gpus and (cfg.ec_buffer_device or default_buffer_device()) == "cuda"
         for inst in self.instances:
             self.spawn(inst)
+            if one_by_one:
+                self.wait_healthy([inst], cfg.startup_timeout_s)
 
     def wait_ready(self) -> None:
         """Block until every instance is healthy, then start the proxy and wait for it too."""
@@ -498,6 +510,8 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="env for every instance")
     p.add_argument("--gpus", type=lambda s: s.split(","), help="e.g. 0,1: CUDA_VISIBLE_DEVICES round-robin")
     p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--one-by-one", choices=("auto", "yes", "no"), default="auto",
+                   help="start each instance once the previous serves (auto: when they share one GPU)")
     p.add_argument("--proxy-args", default="", type=shlex.split, help="flags for the proxy, one string")
     tail = argv.index("--") if "--" in argv else len(argv)
     a = p.parse_args(_glue(argv[:tail], ("--vllm-args", "--proxy-args", "--encoder-vllm-args", "--pd-vllm-args")))
@@ -517,6 +531,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
             ec_buffer_device=a.ec_buffer_device, extra_config=a.extra_config, vllm_args=a.vllm_args + argv[tail + 1:],
             role_vllm_args={r: v for r, v in (("encoder", a.encoder_vllm_args), ("pd", a.pd_vllm_args)) if v},
             log_dir=a.log_dir, env=env, gpus=a.gpus, startup_timeout_s=a.startup_timeout, proxy_args=a.proxy_args,
+            one_by_one={"auto": None, "yes": True, "no": False}[a.one_by_one],
         )
     except ValueError as e:
         p.error(str(e))

@@ -54,6 +54,7 @@ from ec_nixl import protocol as P
 from ec_nixl.endpoint import Endpoint
 from ec_nixl.errors import ConfigError
 from ec_nixl.metrics import Metrics
+import ec_nixl.vllm.hooks as hooks
 from ec_nixl.vllm.admission import Admission, Item, decide, first_sight, outcome
 from ec_nixl.vllm.announce import Announcer
 from ec_nixl.vllm.features import FeatureFacts
@@ -104,7 +105,7 @@ class SchedulerSide:
         self.place = place
         self.facts = FeatureFacts(vllm_config)
         self.metrics = Metrics()
-        self.counts = StatsBook(self.metrics)  # this interval's and the running totals
+        self.counts = StatsBook(self.metrics, intervals=hooks.STATS)  # this interval's and the running totals
         self.announcer = Announcer(self.facts, opts, place)  # producer: what a finished request announces
         self.endpoint: Optional[Endpoint] = None
         self.transfers = TransferIds()  # push flow: the transfer ids of our requests' items
