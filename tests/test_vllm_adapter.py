@@ -137,7 +137,7 @@ def inject(sched, wm) -> None:
         return
     from ec_nixl.vllm.report_channel import ReportOutbox
 
-    out = ReportOutbox(sched.place.engine_id, sched.place.dp_rank)
+    out = ReportOutbox(sched.place.engine_id, sched.place.dp_rank, sched.place.base_port)
     try:
         assert out.send(wm) and report_arrived(sched, 10), "the injected report never arrived"
     finally:

@@ -3,7 +3,8 @@
 vLLM 0.32+ folds each rank's ``build_connector_worker_meta`` into the step's output and hands the
 result to the scheduler's ``update_connector_output``. vLLM 0.26 has neither, so each consumer
 rank sends the same ``NixlECWorkerMeta`` over a local ZMQ PUSH socket to a PULL socket that the
-scheduler binds (ipc, one per engine and DP rank, in a directory only this user can enter), and
+scheduler binds (ipc, one per engine, DP rank and ``ec_port``, in a directory only this user can
+enter: two PDs on one host that share an ``engine_id`` still have their own ports), and
 the scheduler drains it once per step. What the reports carry (late fallbacks, link modes, load
 times, pool occupancy) then reaches the scheduler's counters as on 0.32+.
 
@@ -39,17 +40,17 @@ def _directory() -> str:
     return d
 
 
-def address(engine_id: str, dp_rank: int) -> str:
+def address(engine_id: str, dp_rank: int, port: int) -> str:
     """The ipc address of one engine's report socket (short: ipc paths have ~100 characters)."""
-    key = hashlib.sha256(f"{engine_id}/{dp_rank}".encode()).hexdigest()[:20]
+    key = hashlib.sha256(f"{engine_id}/{dp_rank}/{port}".encode()).hexdigest()[:20]
     return f"ipc://{_directory()}/report-{key}"
 
 
 class ReportInbox:
     """The scheduler's end: bound once, drained without waiting."""
 
-    def __init__(self, engine_id: str, dp_rank: int):
-        self.address = address(engine_id, dp_rank)
+    def __init__(self, engine_id: str, dp_rank: int, port: int):
+        self.address = address(engine_id, dp_rank, port)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -85,8 +86,8 @@ class ReportInbox:
 class ReportOutbox:
     """A worker rank's end: one report per step that had news, never waited for."""
 
-    def __init__(self, engine_id: str, dp_rank: int):
-        self.address = address(engine_id, dp_rank)
+    def __init__(self, engine_id: str, dp_rank: int, port: int):
+        self.address = address(engine_id, dp_rank, port)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 0)

@@ -64,7 +64,7 @@ class SchedulerStandIns:
         if place.is_consumer and not hooks.WORKER_REPORTS:
             from ec_nixl.vllm.report_channel import ReportInbox
 
-            self._inbox = ReportInbox(place.engine_id, place.dp_rank)
+            self._inbox = ReportInbox(place.engine_id, place.dp_rank, place.base_port)
         self._watch: Optional[CommitWatch] = None if hooks.FREE_HOOK else CommitWatch()
         self._committed: list[tuple[Any, int]] = []  # by the last step built
 

@@ -78,7 +78,7 @@ class WorkerSide:
         if p.is_consumer and not hooks.WORKER_REPORTS:
             from ec_nixl.vllm.report_channel import ReportOutbox
 
-            self._reports = ReportOutbox(p.engine_id, p.dp_rank)
+            self._reports = ReportOutbox(p.engine_id, p.dp_rank, p.base_port)
 
     def count_pool_in_budget(self) -> None:
         """vLLM < 0.32 creates the connector before its memory snapshot, so a VRAM pool allocated
