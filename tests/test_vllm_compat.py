@@ -280,7 +280,7 @@ def test_malformed_reports_are_dropped_and_counted(pd):
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)  # FAULT INJECTION: a sender on the scheduler's socket
     sock.setsockopt(zmq.LINGER, 1000)
-    sock.connect(address(sched.place.engine_id, sched.place.dp_rank))
+    sock.connect(address(sched.place.engine_id, sched.place.dp_rank, sched.place.base_port))
     try:
         for data in (b"\xc1 not msgpack", enc.encode({"loaded": "everything"}),
                      enc.encode(NixlECWorkerMeta(stats={"counters": {"loads_landed": "many"}})),
