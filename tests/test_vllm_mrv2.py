@@ -161,7 +161,9 @@ def test_late_item_waits_through_zero_token_steps(producer, engine, delay):
     """Throttled producer: the item is announced now and written ``delay`` s later (its slot holds
     0x5A until then). The request waits in steps without tokens (MRv2's ``no_forward``, which
     still runs every connector hook); the gather sees the final bytes, never the fill."""
-    pd = engine(load_timeout_s="10")
+    # gated (no early admission): an early-admitted request would wait in the barrier of its first
+    # step instead, whenever its producer's link came up before the request was first seen
+    pd = engine(load_timeout_s="10", early_admission="false")
     producer.call("publish_late", ("late", (ROWS, WIDTH), BF16, 31, delay))
     t0 = time.monotonic()
     pd.add(make_request("late1", [("late", 0, 6)], params=params_for(producer.address, [("late", 0)]),

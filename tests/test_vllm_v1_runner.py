@@ -109,7 +109,9 @@ def test_late_item_waits_without_connector_calls(engine, producer):
     """Throttled producer under V1: steps without tokens do not reach the worker connector at all;
     admission is the scheduler's alone, and the gather still sees only the final bytes."""
     delay = 1.0
-    pd = engine(load_timeout_s="10")
+    # gated (no early admission): an early-admitted request would wait in the barrier of its first
+    # step instead, whenever its producer's link came up before the request was first seen
+    pd = engine(load_timeout_s="10", early_admission="false")
     producer.call("publish_late", ("v1-late", (ROWS, WIDTH), BF16, 84, delay))
     t0 = time.monotonic()
     pd.add(make_request("late", [("v1-late", 0, 6)], params=params_for(producer.address, [("v1-late", 0)]),
