@@ -14,9 +14,31 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 from typing import Any
 
 from ec_nixl.events.publisher import EventPublisher, PublisherConfig
+
+
+def free_ports(n: int) -> int:
+    """First of ``n`` consecutive free ports (a publisher's PUB and replay sockets are a pair)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 class LossyPublisher(EventPublisher):

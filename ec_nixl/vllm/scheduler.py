@@ -56,6 +56,7 @@ from ec_nixl.errors import ConfigError
 from ec_nixl.metrics import Metrics
 from ec_nixl.vllm.admission import Admission, Item, decide, first_sight, outcome
 from ec_nixl.vllm.announce import Announcer
+from ec_nixl.vllm.cache_events import SchedulerEvents
 from ec_nixl.vllm.features import FeatureFacts
 from ec_nixl.vllm.metadata import LoadSpec, NixlECMetadata, NixlECWorkerMeta
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
@@ -104,6 +105,7 @@ class SchedulerSide:
         self.facts = FeatureFacts(vllm_config)
         self.metrics = Metrics()
         self.announcer = Announcer(self.facts, opts, place)  # producer: what a finished request announces
+        self.cache_events = SchedulerEvents(opts, place, self.metrics, self.facts)  # vLLM's encoder cache
         self.endpoint: Optional[Endpoint] = None
         self.transfers = TransferIds()  # push flow: the transfer ids of our requests' items
         self.producers: Optional[ProducerView] = None
@@ -283,6 +285,7 @@ class SchedulerSide:
         adm = first_sight(request, num_computed_tokens, self._step, self.facts, self.opts.fallback == "auto",
                           self._users, self.metrics)
         self._reqs[adm.req_id] = adm
+        self.cache_events.first_sight(request, num_computed_tokens)
         params = getattr(request, "ec_transfer_params", None)
         if params:
             self.transfers.seen(adm.req_id, params, {f.identifier for f in request.mm_features})
@@ -399,6 +402,7 @@ class SchedulerSide:
             self._prefetched.discard(h)
         elif self.place.is_producer:
             self.announcer.encoded(request.request_id, h)
+        self.cache_events.allocated(request, index, spec)
 
     def update_state_after_free(self, request, index: int) -> None:
         """The item's embeddings are in the KV cache: workers may give its pool slot back."""
@@ -412,11 +416,12 @@ class SchedulerSide:
         self._place_loads()
         self._busy = _runs(scheduler_output)
         self._step += 1
+        publish, modalities = self.cache_events.step(scheduler_output, self.announcer.take_publish())
         if not self._busy and not self._loads:  # kept for the next step that runs (see _runs)
-            return NixlECMetadata(prefetch=self._prefetch[:], release=self._release[:],
-                                  publish=self.announcer.take_publish())
-        meta = NixlECMetadata(loads=self._loads, prefetch=self._prefetch, publish=self.announcer.take_publish(),
-                              release=self._release)
+            return NixlECMetadata(prefetch=self._prefetch[:], release=self._release[:], publish=publish,
+                                  modalities=modalities)
+        meta = NixlECMetadata(loads=self._loads, prefetch=self._prefetch, publish=publish, release=self._release,
+                              modalities=modalities)
         self._loads, self._prefetch, self._release = [], [], []
         if meta.loads:  # workers may add a failed load to this step's encoder inputs (WorkerSide)
             meta.step = scheduler_output
@@ -450,6 +455,7 @@ class SchedulerSide:
     # ================================================================ request finished (both roles)
 
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
+        self.cache_events.finished(request)
         adm = self._reqs.pop(request.request_id, None)
         self.transfers.forget(request.request_id)
         loaded_here: set[str] = set()  # ec_both: items that came from another producer
@@ -485,6 +491,7 @@ class SchedulerSide:
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
+        self.cache_events.close()
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None
