@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from ec_nixl.events.config import DEFAULT_PORT_OFFSET, EventsConfig, publisher_ports
+from ec_nixl.events.schema import MEDIUM_CACHE, MEDIUM_POOL
+
 CONNECTORS_WITH_STORAGE = ("ECExampleConnector",)  # need ec_connector_extra_config.shared_storage_path
 ROLES = {"encoder": "ec_producer", "pd": "ec_consumer"}
 LOG_TAIL_LINES = 40
@@ -72,10 +75,18 @@ class LaunchConfig:
     startup_timeout_s: float = 900.0
     proxy_args: list[str] = field(default_factory=list)
     """Extra flags for the proxy (e.g. its timeouts)."""
+    events: bool = True
+    """NixlECConnector: every instance publishes its encoder-cache events (docs/events.md); each
+    names itself by its URL, and its publishers bind from ``ec_port`` + 1000."""
+    route: str = "auto"
+    """The proxy's ``--route``: "auto" is "cache-aware" where it can be (NixlECConnector with
+    events, more than one E or PD, flow pull), else "round-robin"."""
 
     def __post_init__(self) -> None:
         if self.num_encoders < 1 or self.num_pd < 1:
             raise ValueError("need at least one encoder and one PD instance")
+        if self.route not in ("auto", "round-robin", "cache-aware"):
+            raise ValueError(f"route must be auto, round-robin or cache-aware, got {self.route!r}")
         self.log_dir = Path(self.log_dir)
 
 
@@ -184,6 +195,10 @@ def plan(cfg: LaunchConfig) -> list[Instance]:
     for k, (role, i) in enumerate(roles):
         name, port = f"{role}{i}", cfg.base_port + k
         ec = ec_transfer_config(cfg, role, f"{name}-{port}", k, device)
+        if publishes_events(cfg):  # (the user's extra_config keys win)
+            ec["ec_connector_extra_config"] = {"events": True, "events_port": ec["ec_port"] + DEFAULT_PORT_OFFSET,
+                                               "events_host": "127.0.0.1", "events_instance": f"http://127.0.0.1:{port}",
+                                               **ec["ec_connector_extra_config"]}
         gpu = cfg.gpus[k % len(cfg.gpus)] if cfg.gpus else None
         out.append(Instance(
             name=name, role=role, port=port, argv=vllm_argv(cfg.model, port, cfg.vllm_args, ec),
@@ -209,11 +224,43 @@ def proxy_flow(cfg: LaunchConfig, backends: list[Instance]) -> list[str]:
     return []
 
 
+def publishes_events(cfg: LaunchConfig) -> bool:
+    return cfg.events and cfg.connector == "NixlECConnector"
+
+
+def event_sources(backends: list[Instance]) -> list[str]:
+    """Every encoder-cache publisher of ``backends`` (an encoder also publishes its pool)."""
+    out = []
+    for b in backends:
+        extra = (b.ec_transfer_config or {}).get("ec_connector_extra_config") or {}
+        if extra.get("events") not in (True, "true", "1", 1):
+            continue
+        cfg = EventsConfig(events_port=int(extra.get("events_port") or 0))
+        for medium in (MEDIUM_CACHE, MEDIUM_POOL) if b.role == "encoder" else (MEDIUM_CACHE,):
+            pub, _ = publisher_ports(cfg, int(b.ec_transfer_config["ec_port"]), 0, medium)
+            out.append(f"tcp://{extra.get('events_host') or b.ec_transfer_config['ec_ip']}:{pub}")
+    return out
+
+
+def proxy_route(cfg: LaunchConfig, backends: list[Instance], flow_args: list[str]) -> list[str]:
+    """The proxy's ``--route`` and ``--events`` (see ``LaunchConfig.route``)."""
+    sources = event_sources(backends)
+    args = cfg.proxy_args
+    asked_flow = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--flow"), None) or \
+        next((flow_args[i + 1] for i, a in enumerate(flow_args[:-1]) if a == "--flow"), "pull")
+    route = cfg.route
+    if route == "auto":
+        several = cfg.num_encoders > 1 or cfg.num_pd > 1
+        route = "cache-aware" if sources and several and asked_flow == "pull" else "round-robin"
+    return ["--route", route] + (["--events", ",".join(sources)] if sources else [])
+
+
 def proxy_instance(cfg: LaunchConfig, backends: list[Instance]) -> Instance:
+    flow = proxy_flow(cfg, backends)
     argv = [sys.executable, "-m", "ec_nixl.disagg.proxy",
             "--encoders", ",".join(b.url for b in backends if b.role == "encoder"),
             "--pd", ",".join(b.url for b in backends if b.role == "pd"),
-            "--host", cfg.host, "--port", str(cfg.port), *proxy_flow(cfg, backends), *cfg.proxy_args]
+            "--host", cfg.host, "--port", str(cfg.port), *flow, *proxy_route(cfg, backends, flow), *cfg.proxy_args]
     return Instance(name="proxy", role="proxy", port=cfg.port, argv=argv, env=dict(os.environ),
                     log_path=cfg.log_dir / "proxy.log")
 
@@ -487,6 +534,10 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     p.add_argument("--gpus", type=lambda s: s.split(","), help="e.g. 0,1: CUDA_VISIBLE_DEVICES round-robin")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--proxy-args", default="", type=shlex.split, help="flags for the proxy, one string")
+    p.add_argument("--no-events", dest="events", action="store_false",
+                   help="NixlECConnector: do not publish encoder-cache events (then the route is round-robin)")
+    p.add_argument("--route", choices=("auto", "round-robin", "cache-aware"), default="auto",
+                   help="the proxy's route; auto: cache-aware with more than one E or PD (NixlEC, events, flow pull)")
     tail = argv.index("--") if "--" in argv else len(argv)
     a = p.parse_args(_glue(argv[:tail], ("--vllm-args", "--proxy-args")))
     if not isinstance(a.extra_config, dict):
@@ -504,6 +555,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
             ec_base_port=a.ec_base_port, ec_port_stride=a.ec_port_stride, ec_buffer_size=a.ec_buffer_size,
             ec_buffer_device=a.ec_buffer_device, extra_config=a.extra_config, vllm_args=a.vllm_args + argv[tail + 1:],
             log_dir=a.log_dir, env=env, gpus=a.gpus, startup_timeout_s=a.startup_timeout, proxy_args=a.proxy_args,
+            events=a.events, route=a.route,
         )
     except ValueError as e:
         p.error(str(e))
