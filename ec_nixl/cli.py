@@ -1,6 +1,7 @@
 """The ``ec-nixl`` command: ``bench`` (transfer microbenchmarks), ``bench serve`` (vLLM's serving
-benchmark against whole deployments), ``serve-disagg`` (E -> PD launcher) and ``status`` (a
-producer's pool occupancy and counters)."""
+benchmark against whole deployments), ``serve-disagg`` (E -> PD launcher), ``status`` (a
+producer's pool occupancy and counters) and ``events`` (follow or dump instances' encoder-cache
+events)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: ec-nixl {bench,bench serve,serve-disagg,status} [options]   (ec-nixl COMMAND --help for details)"
+    usage = ("usage: ec-nixl {bench,bench serve,serve-disagg,status,events} [options]   "
+             "(ec-nixl COMMAND --help for details)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
@@ -28,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(rest)
     if cmd == "status":
         return status_main(rest)
+    if cmd == "events":
+        from ec_nixl.events.watch import main as events_main
+
+        return events_main(rest)
     if cmd in ("-V", "--version"):
         from ec_nixl import __version__
 

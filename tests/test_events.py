@@ -21,14 +21,15 @@ import zmq
 from ec_nixl.events import schema as S
 from ec_nixl.events.publisher import EventPublisher, PublisherConfig
 from ec_nixl.events.subscriber import Source, Subscriber, parse_source
-from event_peers import PublisherProcess
+from event_peers import PublisherProcess, free_ports
 
 CACHE, POOL = S.MEDIUM_CACHE, S.MEDIUM_POOL
 
 
 def start_pub(**kw) -> PublisherProcess:
-    cfg = dict(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", instance="http://pd0",
-               mediums=[CACHE], heartbeat_s=0.2)
+    port = free_ports(2)  # PUB and replay next to each other, as the engines lay them out
+    cfg = dict(endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{port + 1}",
+               instance="http://pd0", mediums=[CACHE], heartbeat_s=0.2)
     cfg.update(kw)
     return PublisherProcess(**cfg)
 
@@ -289,3 +290,44 @@ def test_parse_source_and_config_errors():
         EventPublisher(PublisherConfig("tcp://127.0.0.1:0", None, "i", ()))
     with pytest.raises(Exception, match="cannot bind"):
         EventPublisher(PublisherConfig("nonsense://x", None, "i", (CACHE,)))
+
+
+def _ec_nixl(*args: str, timeout: float = 60.0):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "ec_nixl.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_ec_nixl_events_dumps_the_merged_index_and_follows_changes(pubs):
+    import json
+    import subprocess
+    import sys
+
+    a, b = pubs(instance="http://e0", mediums=[POOL]), pubs(instance="http://pd0")
+    a.call("store", items("x", "y", medium=POOL))
+    b.call("store", items("y"))
+    out = _ec_nixl("events", "--dump", a.endpoint, b.endpoint.removeprefix("tcp://"))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"http://e0": {POOL: ["x", "y"]}, "http://pd0": {CACHE: ["y"]}}
+    # follow: the snapshot, then each change as a line
+    follow = subprocess.Popen([sys.executable, "-m", "ec_nixl.cli", "events", "--max-events", "2", b.endpoint],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = follow.stdout.readline()
+        assert "snapshot at seq" in first and "1 item(s) of http://pd0" in first, first
+        b.call("store", items("z"))
+        b.call("remove", [("y", CACHE)])
+        rest, err = follow.communicate(timeout=30)
+    finally:
+        follow.kill()
+    assert follow.returncode == 0, err
+    assert [ln.split(" ", 2)[2] for ln in rest.splitlines()] == ["encoder_cache + z (image, 1000 B)", "encoder_cache - y"]
+
+
+def test_ec_nixl_events_names_publishers_it_cannot_reach():
+    out = _ec_nixl("events", "--dump", "--timeout", "0.5", "tcp://127.0.0.1:9")
+    assert out.returncode == 1 and "not in sync after 0.5s: tcp://127.0.0.1:9" in out.stderr
+    out = _ec_nixl("events", "nonsense")
+    assert out.returncode == 2 and "is not tcp://host:port" in out.stderr
