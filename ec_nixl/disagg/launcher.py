@@ -76,8 +76,11 @@ class LaunchConfig:
     proxy_args: list[str] = field(default_factory=list)
     """Extra flags for the proxy (e.g. its timeouts)."""
     events: bool = True
-    """NixlECConnector: every instance publishes its encoder-cache events (docs/events.md); each
-    names itself by its URL, and its publishers bind from ``ec_port`` + 1000."""
+    """NixlECConnector: every instance publishes its encoder-cache events (docs/events.md) and
+    names itself by its URL."""
+    events_base_port: Optional[int] = None
+    """Instance k's publishers bind from events_base_port + k * ec_port_stride (None: its
+    ec_port + 1000)."""
     route: str = "auto"
     """The proxy's ``--route``: "auto" is "cache-aware" where it can be (NixlECConnector with
     events, more than one E or PD, flow pull), else "round-robin"."""
@@ -196,7 +199,9 @@ def plan(cfg: LaunchConfig) -> list[Instance]:
         name, port = f"{role}{i}", cfg.base_port + k
         ec = ec_transfer_config(cfg, role, f"{name}-{port}", k, device)
         if publishes_events(cfg):  # (the user's extra_config keys win)
-            ec["ec_connector_extra_config"] = {"events": True, "events_port": ec["ec_port"] + DEFAULT_PORT_OFFSET,
+            events_port = ec["ec_port"] + DEFAULT_PORT_OFFSET if cfg.events_base_port is None else \
+                cfg.events_base_port + k * cfg.ec_port_stride
+            ec["ec_connector_extra_config"] = {"events": True, "events_port": events_port,
                                                "events_host": "127.0.0.1", "events_instance": f"http://127.0.0.1:{port}",
                                                **ec["ec_connector_extra_config"]}
         gpu = cfg.gpus[k % len(cfg.gpus)] if cfg.gpus else None
@@ -536,6 +541,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     p.add_argument("--proxy-args", default="", type=shlex.split, help="flags for the proxy, one string")
     p.add_argument("--no-events", dest="events", action="store_false",
                    help="NixlECConnector: do not publish encoder-cache events (then the route is round-robin)")
+    p.add_argument("--events-base-port", type=int, help="first events port (default: each instance's ec_port + 1000)")
     p.add_argument("--route", choices=("auto", "round-robin", "cache-aware"), default="auto",
                    help="the proxy's route; auto: cache-aware with more than one E or PD (NixlEC, events, flow pull)")
     tail = argv.index("--") if "--" in argv else len(argv)
@@ -555,7 +561,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
             ec_base_port=a.ec_base_port, ec_port_stride=a.ec_port_stride, ec_buffer_size=a.ec_buffer_size,
             ec_buffer_device=a.ec_buffer_device, extra_config=a.extra_config, vllm_args=a.vllm_args + argv[tail + 1:],
             log_dir=a.log_dir, env=env, gpus=a.gpus, startup_timeout_s=a.startup_timeout, proxy_args=a.proxy_args,
-            events=a.events, route=a.route,
+            events=a.events, events_base_port=a.events_base_port, route=a.route,
         )
     except ValueError as e:
         p.error(str(e))

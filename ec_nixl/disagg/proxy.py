@@ -502,12 +502,17 @@ class Proxy:
         pd_b, media = pd_body(body, dict(entries, **params), self.cfg.pd_media, entries)
         return plan.pd, pd_b, media, "; ".join(fallback), "encoder"
 
-    async def _routing(self, _request: web.Request) -> web.Response:
-        """What the cache-aware route decided so far, the loads, and the index's sources."""
+    async def _routing(self, request: web.Request) -> web.Response:
+        """What the cache-aware route decided so far, the loads, the index's sources; with
+        ``?item=ID``, who the index says holds that item."""
         out: dict[str, Any] = {"route": self.cfg.route, "loads": self.loads.snapshot()}
         if self.router is not None:
             out["decisions"] = dict(self.router.counters)
             out["index_entries"] = len(self.router.index)
+            item = request.query.get("item")
+            if item:
+                out["holders"] = [{"instance": h.instance, "medium": h.medium, "nbytes": h.nbytes}
+                                  for h in self.router.index.holders(item)]
         if self._events is not None:
             sub = self._events.subscriber
             out["events"] = {"sources": sub.status(), "counters": dict(sub.counters)}
