@@ -21,13 +21,14 @@ import zmq
 from ec_nixl.events import schema as S
 from ec_nixl.events.publisher import EventPublisher, PublisherConfig
 from ec_nixl.events.subscriber import Source, Subscriber, parse_source
-from event_peers import PublisherProcess, free_ports
+from event_peers import PublisherProcess
+from ports import free_port_block
 
 CACHE, POOL = S.MEDIUM_CACHE, S.MEDIUM_POOL
 
 
 def start_pub(**kw) -> PublisherProcess:
-    port = free_ports(2)  # PUB and replay next to each other, as the engines lay them out
+    port = free_port_block(2)  # PUB and replay next to each other, as the engines lay them out
     cfg = dict(endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{port + 1}",
                instance="http://pd0", mediums=[CACHE], heartbeat_s=0.2)
     cfg.update(kw)

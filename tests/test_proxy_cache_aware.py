@@ -27,7 +27,7 @@ from ec_nixl.disagg.proxy import Proxy, ProxyConfig
 from ec_nixl.disagg.routing import BalanceGuard
 from ec_nixl.events import schema as S
 from ec_nixl.events.publisher import EventPublisher, PublisherConfig
-from event_peers import free_ports
+from ports import free_port_block
 from test_proxy import Stub, fail, serve
 
 IMG = ["data:image/png;base64,QUFB", "data:image/png;base64,QkJC", "data:image/png;base64,Q0ND"]
@@ -68,7 +68,7 @@ class Rig:
         self.pds = [await Stub(f"pd{i}", pd).start(self.stack) for i in range(n_pd)]
         events = []
         for b in self.es + self.pds:
-            port = free_ports(2)
+            port = free_port_block(2)
             mediums = (S.MEDIUM_CACHE, S.MEDIUM_POOL) if b in self.es else (S.MEDIUM_CACHE,)
             p = EventPublisher(PublisherConfig(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 1}", b.url,
                                                mediums, heartbeat_s=0.2))
@@ -98,107 +98,100 @@ class Rig:
             return r.status, await r.json(), dict(r.headers)
 
 
-def run(coro) -> None:
-    asyncio.run(coro)
+def with_rig(body, **cfg: Any) -> None:
+    """Run ``await body(rig)`` against a fresh rig (``Rig.start(**cfg)``)."""
+    async def main() -> None:
+        async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
+            await body(await Rig(stack, s).start(**cfg))
+
+    asyncio.run(main())
 
 
 def test_all_items_held_by_a_pd_go_straight_to_it():
-    async def main() -> None:
-        async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
-            rig = await Rig(stack, s).start()
-            await rig.holds("pd1", 0, 1)
-            status, answer, headers = await rig.post(chat(0, 1))
-            assert status == 200 and answer["served_by"] == "pd1" and headers["X-EC-Route"] == "pd-cache"
-            assert [len(e.seen) for e in rig.es] == [0, 0], "no encoder call"
-            got = answer["received"]
-            assert got["ec_transfer_params"] == {"ec_nixl_route": {"v": 1, "held": [ID[0], ID[1]]}}
-            assert [p["uuid"] for p in media_parts(got)] == [ID[0], ID[1]]  # the ids the PD's cache knows them by
-            assert rig.proxy.router.counters["pd_cache_routes"] == 1
+    async def check(rig: Rig) -> None:
+        await rig.holds("pd1", 0, 1)
+        status, answer, headers = await rig.post(chat(0, 1))
+        assert status == 200 and answer["served_by"] == "pd1" and headers["X-EC-Route"] == "pd-cache"
+        assert [len(e.seen) for e in rig.es] == [0, 0], "no encoder call"
+        got = answer["received"]
+        assert got["ec_transfer_params"] == {"ec_nixl_route": {"v": 1, "held": [ID[0], ID[1]]}}
+        assert [p["uuid"] for p in media_parts(got)] == [ID[0], ID[1]]  # the ids the PD's cache knows them by
+        assert rig.proxy.router.counters["pd_cache_routes"] == 1
 
-    run(main())
+    with_rig(check)
 
 
 def test_items_go_to_the_encoders_that_hold_them_with_only_their_items():
-    async def main() -> None:
-        async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
-            rig = await Rig(stack, s).start()
-            await rig.holds("e1", 0)
-            await rig.holds("e0", 2, medium=S.MEDIUM_POOL)
-            status, answer, headers = await rig.post(chat(0, 2))
-            assert status == 200 and headers["X-EC-Route"] == "encoder"
-            (_, b0), = rig.es[0].seen
-            (_, b1), = rig.es[1].seen
-            assert [p["uuid"] for p in media_parts(b1)] == [ID[0]] and [p["uuid"] for p in media_parts(b0)] == [ID[2]]
-            assert b1["ec_transfer_params"] == {"ec_nixl_route": {"v": 1, "held": [ID[0]]}}
-            assert b0["max_tokens"] == 1 and b0["stream"] is False
-            params = answer["received"]["ec_transfer_params"]
-            assert params[ID[0]]["item_indices"] == [0] and params[ID[2]]["item_indices"] == [1]  # whole-body positions
-            assert params[ID[0]]["ec_nixl"]["producer"] == "e1:1" and params[ID[2]]["ec_nixl"]["producer"] == "e0:1"
-            assert rig.proxy.router.counters["items_to_holding_encoder"] == 2
+    async def check(rig: Rig) -> None:
+        await rig.holds("e1", 0)
+        await rig.holds("e0", 2, medium=S.MEDIUM_POOL)
+        status, answer, headers = await rig.post(chat(0, 2))
+        assert status == 200 and headers["X-EC-Route"] == "encoder"
+        (_, b0), = rig.es[0].seen
+        (_, b1), = rig.es[1].seen
+        assert [p["uuid"] for p in media_parts(b1)] == [ID[0]] and [p["uuid"] for p in media_parts(b0)] == [ID[2]]
+        assert b1["ec_transfer_params"] == {"ec_nixl_route": {"v": 1, "held": [ID[0]]}}
+        assert b0["max_tokens"] == 1 and b0["stream"] is False
+        params = answer["received"]["ec_transfer_params"]
+        assert params[ID[0]]["item_indices"] == [0] and params[ID[2]]["item_indices"] == [1]  # whole-body positions
+        assert params[ID[0]]["ec_nixl"]["producer"] == "e1:1" and params[ID[2]]["ec_nixl"]["producer"] == "e0:1"
+        assert rig.proxy.router.counters["items_to_holding_encoder"] == 2
 
-    run(main())
+    with_rig(check)
 
 
 def test_the_pd_is_the_one_holding_most_items_and_the_encoder_gets_the_rest():
-    async def main() -> None:
-        async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
-            rig = await Rig(stack, s).start()
-            await rig.holds("pd1", 0)
-            status, answer, _ = await rig.post(chat(0, 1))
-            assert status == 200 and answer["served_by"] == "pd1"
-            (_, e_body), = [x for e in rig.es for x in e.seen]
-            assert [p["uuid"] for p in media_parts(e_body)] == [ID[1]]
-            params = answer["received"]["ec_transfer_params"]
-            assert set(params) == {ID[1], "ec_nixl_route"} and params[ID[1]]["item_indices"] == [1]
-            assert params["ec_nixl_route"]["held"] == [ID[0]]
+    async def check(rig: Rig) -> None:
+        await rig.holds("pd1", 0)
+        status, answer, _ = await rig.post(chat(0, 1))
+        assert status == 200 and answer["served_by"] == "pd1"
+        (_, e_body), = [x for e in rig.es for x in e.seen]
+        assert [p["uuid"] for p in media_parts(e_body)] == [ID[1]]
+        params = answer["received"]["ec_transfer_params"]
+        assert set(params) == {ID[1], "ec_nixl_route"} and params[ID[1]]["item_indices"] == [1]
+        assert params["ec_nixl_route"]["held"] == [ID[0]]
 
-    run(main())
+    with_rig(check)
 
 
 def test_the_balance_guard_passes_over_an_overloaded_holder():
-    async def main() -> None:
-        async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
-            rig = await Rig(stack, s).start(balance_abs=2, balance_rel=1.5)
-            await rig.holds("pd0", 0)
-            for _ in range(3):  # pd0 has 3 requests in flight, pd1 none: 3 - 0 > 2 and 3 > 1.5 * 0
-                rig.proxy.loads.inc(rig.pds[0].url)
-            status, answer, headers = await rig.post(chat(0))
-            assert status == 200 and answer["served_by"] == "pd1" and headers["X-EC-Route"] == "encoder"
-            assert rig.proxy.router.counters["pd_balance_overrides"] == 1
-            rig.proxy.loads.dec(rig.pds[0].url)  # 2 in flight: within the guard, the holder again
-            status, answer, headers = await rig.post(chat(0))
-            assert answer["served_by"] == "pd0" and headers["X-EC-Route"] == "pd-cache"
+    async def check(rig: Rig) -> None:
+        await rig.holds("pd0", 0)
+        for _ in range(3):  # pd0 has 3 requests in flight, pd1 none: 3 - 0 > 2 and 3 > 1.5 * 0
+            rig.proxy.loads.inc(rig.pds[0].url)
+        status, answer, headers = await rig.post(chat(0))
+        assert status == 200 and answer["served_by"] == "pd1" and headers["X-EC-Route"] == "encoder"
+        assert rig.proxy.router.counters["pd_balance_overrides"] == 1
+        rig.proxy.loads.dec(rig.pds[0].url)  # 2 in flight: within the guard, the holder again
+        status, answer, headers = await rig.post(chat(0))
+        assert answer["served_by"] == "pd0" and headers["X-EC-Route"] == "pd-cache"
 
-    run(main())
+    with_rig(check, balance_abs=2, balance_rel=1.5)
 
 
 def test_an_encoder_failing_in_a_split_request_leaves_its_items_to_the_pd():
-    async def main() -> None:
-        async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
-            rig = await Rig(stack, s).start()
-            rig.es[0].handler = fail
-            await rig.holds("e0", 0)
-            await rig.holds("e1", 1)
-            status, answer, headers = await rig.post(chat(0, 1))
-            assert status == 200 and "X-EC-Fallback" in headers and rig.es[0].url in headers["X-EC-Fallback"]
-            params = answer["received"]["ec_transfer_params"]
-            assert set(params) == {ID[1]}, "the failed encoder's item has no entry: the PD encodes its media"
-            assert [p.get("uuid") for p in media_parts(answer["received"])] == [ID[0], ID[1]]
+    async def check(rig: Rig) -> None:
+        rig.es[0].handler = fail
+        await rig.holds("e0", 0)
+        await rig.holds("e1", 1)
+        status, answer, headers = await rig.post(chat(0, 1))
+        assert status == 200 and "X-EC-Fallback" in headers and rig.es[0].url in headers["X-EC-Fallback"]
+        params = answer["received"]["ec_transfer_params"]
+        assert set(params) == {ID[1]}, "the failed encoder's item has no entry: the PD encodes its media"
+        assert [p.get("uuid") for p in media_parts(answer["received"])] == [ID[0], ID[1]]
 
-    run(main())
+    with_rig(check)
 
 
 def test_routing_endpoint_and_config_errors():
-    async def main() -> None:
-        async with AsyncExitStack() as stack, aiohttp.ClientSession() as s:
-            rig = await Rig(stack, s).start(n_e=1, n_pd=1)
-            await rig.holds("pd0", 2)
-            async with s.get(rig.url + "/ec-nixl/routing") as r:
-                info = await r.json()
-            assert info["route"] == "cache-aware" and info["index_entries"] == 1
-            assert [x["state"] for x in info["events"]["sources"]] == ["live", "live"]
+    async def check(rig: Rig) -> None:
+        await rig.holds("pd0", 2)
+        async with rig.session.get(rig.url + "/ec-nixl/routing") as r:
+            info = await r.json()
+        assert info["route"] == "cache-aware" and info["index_entries"] == 1
+        assert [x["state"] for x in info["events"]["sources"]] == ["live", "live"]
 
-    run(main())
+    with_rig(check, n_e=1, n_pd=1)
     with pytest.raises(ValueError, match="needs flow 'pull'"):
         ProxyConfig(encoders=["http://e"], pd=["http://p"], route="cache-aware", events=["tcp://h:1"], flow="overlap")
     with pytest.raises(ValueError, match="event publishers"):

@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="vLLM is part of the test environment")
 from ec_nixl.events import schema as S  # noqa: E402
 from ec_nixl.events.subscriber import Subscriber, parse_source  # noqa: E402
 from ec_nixl.params import build_route  # noqa: E402
-from event_peers import free_ports  # noqa: E402
+from ports import free_port_block  # noqa: E402
 from mrv2_engine import (ROWS, WIDTH, MRv2Engine, ProducerEngineProcess, image_feature, make_request,  # noqa: E402
                          vllm_config)
 from vllm_fixtures import tiny_model  # noqa: E402,F401  (fixture)
@@ -73,7 +73,7 @@ def long_request(engine: MRv2Engine, rid: str, images, params=None):
 
 
 def test_pd_events_are_vllms_own_encoder_cache(tiny_model):
-    port = free_ports(4)
+    port = free_port_block(4)
     pd = MRv2Engine(vllm_config(tiny_model, "ec_consumer", extra=events_extra(port, "http://pd0")))
     subs = []
     try:
@@ -116,7 +116,7 @@ def test_pd_events_are_vllms_own_encoder_cache(tiny_model):
 
 
 def test_encoder_publishes_its_pool_and_its_cache(tiny_model):
-    port = free_ports(4)
+    port = free_port_block(4)
     e = ProducerEngineProcess(tiny_model, extra=events_extra(port, "http://e0"))
     sub = Subscriber([parse_source(f"tcp://127.0.0.1:{port}"), parse_source(f"tcp://127.0.0.1:{port + 2}")])
     pd = None
