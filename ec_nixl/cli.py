@@ -10,12 +10,16 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: ec-nixl {bench,bench serve,serve-disagg,status,events} [options]   "
+    usage = ("usage: ec-nixl {bench,bench serve,bench events,serve-disagg,status,events} [options]   "
              "(ec-nixl COMMAND --help for details)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd == "bench" and rest[:1] == ["events"]:
+        from ec_nixl.bench.events_cost import main as events_bench_main
+
+        return events_bench_main(rest[1:])
     if cmd == "bench" and rest[:1] == ["serve"]:
         from ec_nixl.bench.serve import main as serve_bench_main
 

@@ -40,6 +40,9 @@ class EventsConfig:
     """ZMQ high-water mark of the PUB socket: messages a slow subscriber may lag before they drop."""
     events_heartbeat_s: float = 1.0
     """An idle publisher says it is alive this often (subscribers drop it after a few missed)."""
+    events_batch_s: float = 0.05
+    """While changes keep coming, one batch per this (0: one per engine step, sent from the engine's
+    thread); the index lags the engine by this at most, and the cost follows it (``publisher``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.events_port < 65536 - PORTS_PER_DP_RANK:
@@ -48,6 +51,8 @@ class EventsConfig:
             raise ConfigError("events_buffer_batches and events_hwm must be >= 1")
         if not self.events_heartbeat_s > 0:
             raise ConfigError(f"events_heartbeat_s must be > 0, got {self.events_heartbeat_s}")
+        if not 0 <= self.events_batch_s <= 1:
+            raise ConfigError(f"events_batch_s must be within 0..1 s, got {self.events_batch_s}")
         if self.events_instance is not None and not 0 < len(self.events_instance) <= S.MAX_KEY_LEN:
             raise ConfigError(f"events_instance must be 1..{S.MAX_KEY_LEN} characters")
 

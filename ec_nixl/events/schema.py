@@ -110,28 +110,27 @@ def _check_event(ev: Event) -> None:
             raise BadEvent(f"nbytes of {ev.mm_hash} is negative ({ev.nbytes})")
 
 
+def _decode(decoder: msgspec.msgpack.Decoder, payload: bytes, events: str):
+    """``payload`` as ``decoder``'s type, its instance and its ``events`` field checked beyond types."""
+    try:
+        obj = decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise BadEvent(f"not an {decoder.type.__name__}: {e}") from None
+    _check_text("instance", obj.instance)
+    for ev in getattr(obj, events):
+        _check_event(ev)
+    return obj
+
+
 def decode_batch(payload: bytes) -> EncoderEventBatch:
     """A batch, checked beyond its types (lengths, signs); BadEvent says what is wrong."""
-    try:
-        batch = _batch_decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise BadEvent(f"not an EncoderEventBatch: {e}") from None
-    _check_text("instance", batch.instance)
-    for ev in batch.events:
-        _check_event(ev)
-    return batch
+    return _decode(_batch_decoder, payload, "events")
 
 
 def decode_snapshot(payload: bytes) -> EncoderCacheSnapshot:
-    try:
-        snap = _snapshot_decoder.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise BadEvent(f"not an EncoderCacheSnapshot: {e}") from None
-    _check_text("instance", snap.instance)
+    snap = _decode(_snapshot_decoder, payload, "entries")
     if snap.seq < 0:
         raise BadEvent(f"snapshot seq must be >= 0, got {snap.seq}")
-    for ev in snap.entries:
-        _check_event(ev)
     return snap
 
 

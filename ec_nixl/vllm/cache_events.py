@@ -48,7 +48,7 @@ def make_publisher(cfg: EventsConfig, opts: NixlECOptions, place: Placement, med
     p = EventPublisher(PublisherConfig(
         endpoint=f"tcp://{host}:{pub}", replay_endpoint=f"tcp://{host}:{replay}", instance=instance,
         mediums=(medium,), topic=cfg.events_topic, buffer_batches=cfg.events_buffer_batches, hwm=cfg.events_hwm,
-        heartbeat_s=cfg.events_heartbeat_s, data_parallel_rank=place.dp_rank))
+        heartbeat_s=cfg.events_heartbeat_s, batch_s=cfg.events_batch_s, data_parallel_rank=place.dp_rank))
     logger.info("ec-nixl: %s events of %s on %s (replay %s)", medium, instance, p.endpoint, p.replay_endpoint)
     return p
 
