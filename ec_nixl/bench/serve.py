@@ -55,10 +55,15 @@ from typing import Any, Iterator, Optional
 
 from ec_nixl.bench import request_trace
 
-DEPLOYMENTS = ("colocated", "nixl", "nixl-seq", "nixl-push", "example", "mooncake")
+DEPLOYMENTS = ("colocated", "nixl", "nixl-seq", "nixl-push", "nixl-rr", "nixl-cache", "example", "mooncake")
 DEFAULT_DEPLOYMENTS = "colocated,nixl,example,mooncake"
 CONNECTOR = {"nixl": "NixlECConnector", "nixl-seq": "NixlECConnector", "nixl-push": "NixlECConnector",
-             "example": "ECExampleConnector", "mooncake": "ECMooncakeConnector"}
+             "nixl-rr": "NixlECConnector", "nixl-cache": "NixlECConnector", "example": "ECExampleConnector",
+             "mooncake": "ECMooncakeConnector"}
+ROUTES = {"nixl-rr": ["--route", "round-robin", "--content-ids"], "nixl-cache": ["--route", "cache-aware"]}
+"""The E-then-PD flow under each proxy route (issue 49): round-robin (today's), and cache-aware
+from the engines' encoder-cache events (only that one publishes them). Round-robin also gets
+the content uuids, so that the two differ in where requests go and nothing else."""
 FLOW = {"nixl": "overlap", "nixl-push": "push"}  # the proxy's --flow where the launcher's choice is not it
 PLACEHOLDERS = "+placeholders"
 CPU_VLLM_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "8", "--enforce-eager", "--dtype", "bfloat16",
@@ -115,6 +120,21 @@ def split_variant(name: str) -> tuple[str, dict[str, Any]]:
     return base, extra
 
 
+def split_shape(name: str) -> tuple[str, tuple[int, int]]:
+    """``'nixl-cache:2x2@k=v'`` -> ``('nixl-cache@k=v', (2, 2))``: encoders x PDs (default 1x1)."""
+    head, sep, rest = name.partition(":")
+    if not sep:
+        return name, (1, 1)
+    shape, at, tail = rest.partition("@")
+    try:
+        n_e, n_pd = (int(x) for x in shape.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"deployment {name!r}: shape {shape!r} is not ExPD, e.g. 2x2") from None
+    if n_e < 1 or n_pd < 1 or head == "colocated":
+        raise ValueError(f"deployment {name!r}: a shape needs an E + PD deployment and at least 1x1")
+    return head + at + tail, (n_e, n_pd)
+
+
 def pd_media(base: str) -> tuple[str, list[str]]:
     """``'nixl-push+placeholders'`` -> ``('nixl-push', [proxy args])``: with ``+placeholders`` the
     proxy sends the PD ``image_embeds`` placeholders instead of the images (``--pd-media
@@ -130,7 +150,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ec-nixl bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench-serve-out"), help="logs, per-run results, tiny model")
     p.add_argument("--model", default=None, help="model path (default: build the tiny Qwen2-VL under --out)")
-    p.add_argument("--deployments", default=DEFAULT_DEPLOYMENTS,
+    p.add_argument("--deployments", default=None,
                    help=f"comma list of {', '.join(DEPLOYMENTS)}; nixl@key=value adds an ec_connector_extra_config "
                         f"setting (e.g. nixl,nixl@gil_switch_interval_s=null)")
     p.add_argument("--reference", default="example", help="deployment the ratios divide by")
@@ -145,6 +165,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=18000, help="first port (each deployment uses a block of 100)")
     p.add_argument("--json", default=None, metavar="PATH", help=f"write every row and the summary ({SCHEMA})")
     p.add_argument("--plot", default=None, metavar="PATH", help="TTFT p50 vs concurrency PNG (needs matplotlib)")
+    p.add_argument("--workload", default="random-mm", choices=("random-mm", "multi-turn", "shared-image", "reuse"),
+                   help="random-mm (vLLM's serving benchmark, default) or workloads that send images again "
+                        "(bench/reuse.py: cache-aware routing against round-robin, default deployments "
+                        "colocated,nixl-rr:1x2,nixl-cache:1x2,nixl-rr:2x2,nixl-cache:2x2)")
+    p.add_argument("--conversations", type=int, default=16, help="multi-turn: conversations (1 or 2 images each)")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--shared-images", type=int, default=8, help="shared-image: distinct images")
+    p.add_argument("--shared-requests", type=int, default=48, help="shared-image: requests (one image each)")
+    p.add_argument("--zipf", type=float, default=1.1, help="shared-image: Zipf exponent of the images' popularity")
+    p.add_argument("--reuse-concurrency", type=int, default=4,
+                   help="multi-turn: conversations at a time; shared-image: requests at a time")
     return p
 
 
@@ -162,7 +193,8 @@ def _root() -> Path:
 
 @contextmanager
 def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[str]) -> Iterator[dict]:
-    """Start ``name``, wait until it serves, yield its URLs; stop everything on the way out."""
+    """Start ``name``, wait until it serves, yield its URLs; stop everything on the way out
+    (``name`` may carry a shape, ``nixl-cache:2x2``: ``split_shape``)."""
     from ec_nixl.disagg.launcher import Cluster, Instance, LaunchConfig, Supervisor, instance_env, vllm_argv
 
     env = _env(_root())
@@ -177,13 +209,15 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
             sup.spawn(inst)
             sup.wait_healthy([inst], 900.0)
             yield {"url": inst.url, "pd": inst.url, "e_ec": None, "procs": {"colocated": inst.proc.pid},
-                   "trace": log_dir / "trace", "pd_role": "colocated"}
+                   "trace": log_dir / "trace", "pd_role": "colocated", "encoders": [], "pds": [inst.url]}
         return
     # The launcher picks each connector's proxy flow (ECMooncake: push to the PD named in the E
     # request; others E then PD); nixl asks for the overlapped flow.
+    name, (n_e, n_pd) = split_shape(name)
     name, extra = split_variant(name)
     name, proxy_args = pd_media(name)
     proxy_args += ["--flow", FLOW[name]] if name in FLOW else []
+    proxy_args += ROUTES.get(name, [])
     cuda = _cuda()
     if name == "mooncake":
         extra = {"mooncake_protocol": "rdma" if cuda else "tcp"}
@@ -195,7 +229,8 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
     cfg = LaunchConfig(model=model, connector=CONNECTOR[name], port=port, base_port=port + 10,
                        ec_base_port=port + 50, vllm_args=vllm_args, log_dir=log_dir, env=env,
                        ec_buffer_device=None if cuda else "cpu", ec_buffer_size=POOL_BYTES,
-                       proxy_args=proxy_args, extra_config=extra, startup_timeout_s=900.0)
+                       proxy_args=proxy_args, extra_config=extra, startup_timeout_s=900.0,
+                       num_encoders=n_e, num_pd=n_pd, events=name == "nixl-cache")
     with Cluster(cfg) as c:
         c.start()
         c.wait_ready()
@@ -205,7 +240,8 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
         e_ec = f"{ec.get('ec_ip')}:{ec.get('ec_port')}" if CONNECTOR[name] == "NixlECConnector" else None
         procs = {i.name: i.proc.pid for i in c.instances + [c.proxy] if i is not None and i.proc is not None}
         yield {"url": c.proxy_url, "pd": pd.url, "e_ec": e_ec, "procs": procs, "trace": log_dir / "trace",
-               "pd_role": "ec_consumer"}
+               "pd_role": "ec_consumer", "encoders": [i.url for i in c.instances if i.role == "encoder"],
+               "pds": [i.url for i in c.instances if i.role == "pd"]}
 
 
 def _cuda() -> bool:
@@ -529,13 +565,18 @@ def plot(path: str, summary: list[dict]) -> None:
 
 def main(argv: Optional[list] = None) -> int:
     args = parser().parse_args(argv)
+    reuse = args.workload != "random-mm"
+    if args.deployments is None:
+        from ec_nixl.bench.reuse import DEFAULT_DEPLOYMENTS as REUSE_DEPLOYMENTS
+
+        args.deployments = REUSE_DEPLOYMENTS if reuse else DEFAULT_DEPLOYMENTS
     deps = [d.strip() for d in args.deployments.split(",") if d.strip()]
     try:
-        bad = [d for d in deps if pd_media(split_variant(d)[0])[0] not in DEPLOYMENTS]
+        bad = [d for d in deps if pd_media(split_variant(split_shape(d)[0])[0])[0] not in DEPLOYMENTS]
     except ValueError as e:
         print(f"ec-nixl bench serve: {e}", file=sys.stderr)
         return 2
-    if bad or args.reference not in deps:
+    if bad or (args.reference not in deps and not reuse):
         print(f"ec-nixl bench serve: unknown deployment(s) {bad} or reference {args.reference!r} not among "
               f"{deps}; known: {', '.join(DEPLOYMENTS)}", file=sys.stderr)
         return 2
@@ -554,6 +595,10 @@ def main(argv: Optional[list] = None) -> int:
             subprocess.run([sys.executable, str(builder), model], check=True, capture_output=True,
                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
     vllm_args = args.vllm_args.split() if args.vllm_args else list(CPU_VLLM_ARGS)
+    if reuse:
+        from ec_nixl.bench.reuse import run as run_reuse
+
+        return run_reuse(args, model, deps, vllm_args, deployment, thread_seconds)
     print(f"ec-nixl bench serve: {', '.join(deps)} x {args.rounds} rounds; points (images, concurrency) "
           f"{points(args)}; {args.prompts} prompts each; model {model}", flush=True)
     rows: list[dict] = []
