@@ -196,6 +196,8 @@ def test_routing_endpoint_and_config_errors():
         ProxyConfig(encoders=["http://e"], pd=["http://p"], route="cache-aware", events=["tcp://h:1"], flow="overlap")
     with pytest.raises(ValueError, match="event publishers"):
         ProxyConfig(encoders=["http://e"], pd=["http://p"], route="cache-aware")
+    with pytest.raises(ValueError, match="'tcp://h' is not tcp://host:port"):
+        ProxyConfig(encoders=["http://e"], pd=["http://p"], route="cache-aware", events=["tcp://h"])
     with pytest.raises(ValueError, match="balance thresholds"):
         BalanceGuard(2, 0.5)
     g = BalanceGuard(4, 1.5)

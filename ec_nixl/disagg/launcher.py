@@ -21,6 +21,7 @@ consumer looks items up by, depends on it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from ec_nixl.config import parse_options
 from ec_nixl.events.config import DEFAULT_PORT_OFFSET, EventsConfig, publisher_ports
 from ec_nixl.events.schema import MEDIUM_CACHE, MEDIUM_POOL
 
@@ -229,6 +231,9 @@ def proxy_flow(cfg: LaunchConfig, backends: list[Instance]) -> list[str]:
     return []
 
 
+EVENTS_KEYS = frozenset(f.name for f in dataclasses.fields(EventsConfig))
+
+
 def publishes_events(cfg: LaunchConfig) -> bool:
     return cfg.events and cfg.connector == "NixlECConnector"
 
@@ -238,12 +243,12 @@ def event_sources(backends: list[Instance]) -> list[str]:
     out = []
     for b in backends:
         extra = (b.ec_transfer_config or {}).get("ec_connector_extra_config") or {}
-        if extra.get("events") not in (True, "true", "1", 1):
+        cfg = parse_options(EventsConfig, {k: v for k, v in extra.items() if k in EVENTS_KEYS})
+        if not cfg.events:
             continue
-        cfg = EventsConfig(events_port=int(extra.get("events_port") or 0))
         for medium in (MEDIUM_CACHE, MEDIUM_POOL) if b.role == "encoder" else (MEDIUM_CACHE,):
             pub, _ = publisher_ports(cfg, int(b.ec_transfer_config["ec_port"]), 0, medium)
-            out.append(f"tcp://{extra.get('events_host') or b.ec_transfer_config['ec_ip']}:{pub}")
+            out.append(f"tcp://{cfg.events_host or b.ec_transfer_config['ec_ip']}:{pub}")
     return out
 
 

@@ -172,6 +172,10 @@ class ProxyConfig:
             raise ValueError(f"unknown route {self.route!r}; choose one of {', '.join(ROUTES)}")
         if self.route == "cache-aware" and (self.flow != "pull" or not self.events):
             raise ValueError("route 'cache-aware' needs flow 'pull' and the backends' event publishers (events)")
+        from ec_nixl.events.subscriber import parse_source
+
+        for e in self.events:
+            parse_source(e)  # (a ConfigError, a ValueError, names a malformed one)
         BalanceGuard(self.balance_abs, self.balance_rel)  # (validates them)
         if self.content_ids is None:
             self.content_ids = self.route == "cache-aware"
