@@ -32,8 +32,9 @@ def test_measure_counts_what_the_engines_and_the_proxy_said():
     rows = [row(1, 0.2, "encoder"), row(1, 0.3, "encoder"), row(2, 0.05, "pd-cache"), row(2, 0.07, "encoder"),
             row(3, 0.04, "pd-cache"), row(3, 0.0, "pd-cache", error="HTTP 500")]
     before = {"http://e0": {"encoded": 10}, "http://p0": {}, "http://p1": {"mm_items": 5}, "_events": {"messages": 3}}
-    after = {"http://e0": {"encoded": 13}, "http://p0": {"mm_items": 2, "mm_cache_hits": 1, "mm_kv_hits": 2},
-             "http://p1": {"mm_items": 7, "mm_cache_hits": 1, "encoded": 1, "cache_route_misses": 1},
+    after = {"http://e0": {"encoded": 13}, "http://p0": {"mm_items": 2, "mm_cache_hits": 1, "mm_kv_hits": 2,
+                                                          "requests_done": 4},
+             "http://p1": {"mm_items": 7, "mm_cache_hits": 1, "encoded": 1, "cache_route_misses": 1, "requests_done": 2},
              "_events": {"messages": 15, "batches": 6}}
     threads = {"pd0:VLLM::EngineCore:ec-nixl-events": 0.02, "pd0:VLLM::EngineCore:VLLM::Engine": 5.0,
                "encoder0:python:ec-nixl-events": 0.01}
@@ -43,7 +44,7 @@ def test_measure_counts_what_the_engines_and_the_proxy_said():
     assert m["ttft_p50_ms_t1"] == 250.0 and m["ttft_p50_ms_t3"] == 40.0  # (the failed request has no TTFT)
     # items: p0 2 needed + 2 in the prefix cache, p1 2 needed; own caches: p0 1 + 2, p1 1
     assert m["pd_items"] == 6 and m["pd_own_cache_share"] == 0.667 and m["pd_encoder_cache_hit_rate"] == 0.5
-    assert m["misroutes"] == 1 and m["pd_local_encodes"] == 1
+    assert m["misroutes"] == 1 and m["pd_local_encodes"] == 1 and m["pd_busiest_share"] == 0.667
     assert m["event_messages_per_request"] == 2.0 and m["event_batches_per_request"] == 1.0
     assert m["events_cpu_pct"] == {"encoder0": 0.1, "pd0": 0.2}
 

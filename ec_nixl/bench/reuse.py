@@ -3,7 +3,7 @@ images again, cache-aware routing against round-robin (issue 49).
 
 * ``multi-turn``: conversations of ``--turns`` turns with 1 or 2 images each (alternately); every
   turn sends the whole history with the images again, as chat clients do, and waits for the
-  previous answer (its text goes into the history). ``--concurrency`` conversations at a time.
+  previous answer (its text goes into the history). ``--reuse-concurrency`` conversations at a time.
 * ``shared-image``: ``--shared-requests`` requests of one image each, drawn from
   ``--shared-images`` distinct images with Zipf(``--zipf``) popularity (a few hot images).
 * ``reuse``: both, one after the other, on each deployment.
@@ -11,9 +11,10 @@ images again, cache-aware routing against round-robin (issue 49).
 Deployments (``serve.deployment``): ``colocated`` (the token reference), ``nixl-rr:ExPD`` (E then
 PD, the proxy round-robin: today's) and ``nixl-cache:ExPD`` (the same with the engines' events
 and the cache-aware route). Each is started afresh per round and warmed with one image request
-per PD first. Per workload and deployment it reports: E encodes per distinct image (the
-encoders' ``encoded`` counters), the share of requests served with no encoder call (the proxy's
-``X-EC-Route``), the PDs' items served from their own caches (prefix or encoder cache) and
+per encoder -> PD pair first (by hand: each link's first load pays its handshake). Per workload
+and deployment it reports: E encodes per distinct image (the encoders' ``encoded`` counters), the
+busiest PD's share of the requests, the share of requests served with no encoder call (the
+proxy's ``X-EC-Route``), the PDs' items served from their own caches (prefix or encoder cache) and
 misroutes (the engines' counters), TTFT p50/p99 per turn, token ids equal to ``colocated``'s,
 and the events' cost: the CPU of each instance's ``ec-nixl-events`` threads and the event
 messages the proxy received per request. Cache-aware's TTFT is divided by round-robin's of the
@@ -153,6 +154,8 @@ def counters(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for m in re.finditer(r"^vllm:nixl_ec_num_(\w+)_total(?:\{[^}]*\})? (\S+)$", text, re.M):
         out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    for m in re.finditer(r"^vllm:request_success_total(?:\{[^}]*\})? (\S+)$", text, re.M):
+        out["requests_done"] = out.get("requests_done", 0.0) + float(m.group(1))  # (vLLM's own, every reason)
     return out
 
 
@@ -210,6 +213,8 @@ def measure(urls: dict, rows: list[dict], distinct: int, wall_s: float, before: 
         res["pd_encoder_cache_hit_rate"] = round(sum(_delta(after[u], before[u], "mm_cache_hits") for u in pds)
                                                  / needed, 3) if needed else None
         res["pd_local_encodes"] = sum(_delta(after[u], before[u], "encoded") for u in pds)
+        served = [_delta(after[u], before[u], "requests_done") for u in pds]
+        res["pd_busiest_share"] = round(max(served) / sum(served), 3) if sum(served) else None
         res["misroutes"] = sum(_delta(after[u], before[u], "cache_route_misses") for u in urls["encoders"] + pds)
         ev_b, ev_a = before.get("_events", {}), after.get("_events", {})
         if ev_a:
@@ -234,13 +239,21 @@ def _snapshot(urls: dict) -> dict:
 
 
 def _warm(urls: dict, model: str, seed: int) -> None:
-    """One image request per PD (new images, not the workload's): first-use costs off the clock."""
+    """First-use costs off the clock: every encoder -> PD link once (each pair's first load pays
+    its NIXL handshake), by hand (E, then that PD with E's params), with images of its own; a
+    colocated instance gets one request."""
     from ec_nixl.disagg.ttft import image_data_url
 
     async def go(s) -> None:
-        for i in range(max(1, len(urls["pds"]))):
-            img = image_data_url((112, 112), seed * 100_003 + 90_000 + i)
-            await one(s, urls["url"], _body(model, [_user([img], "warm up")], 2))
+        pairs = [(e, p) for e in urls["encoders"] for p in urls["pds"]] or [(None, urls["url"])]
+        for i, (e, p) in enumerate(pairs):
+            body = _body(model, [_user([image_data_url((112, 112), seed * 100_003 + 90_000 + i)], "warm up")], 2)
+            if e is not None:
+                async with s.post(e + "/v1/chat/completions", json=dict(body, stream=False, max_tokens=1)) as r:
+                    body["ec_transfer_params"] = (await r.json()).get("ec_transfer_params")
+            r = await one(s, p, body)
+            if r["error"]:
+                raise RuntimeError(f"warm-up request {e} -> {p} failed: {r['error']}")
 
     asyncio.run(_all(lambda s: [go(s)]))
 
@@ -351,7 +364,7 @@ def _f(v: Any, fmt: str = "{:.1f}") -> str:
 def table(summary: list[dict]) -> str:
     turns = sorted({int(k.rsplit("t", 1)[1]) for s in summary for k in s if k.startswith("ttft_p50_ms_t")})
     head = ["workload", "deployment", "E encodes / image", "no E call", "PD own-cache share", "PD enc-cache hits",
-            "misroutes", "failed"] + [f"TTFT p50/p99 t{t} ms" for t in turns] + \
+            "busiest PD", "misroutes", "failed"] + [f"TTFT p50/p99 t{t} ms" for t in turns] + \
         ["p50 t2-4 ÷ rr", "tokens = colocated", "events CPU % (max inst)", "event msgs / req"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summary:
@@ -359,7 +372,8 @@ def table(summary: list[dict]) -> str:
         row = [s["workload"], s["deployment"], _f(s.get("e_encodes_per_image"), "{:.2f}"),
                _f(s.get("no_e_share"), "{:.0%}") if s["deployment"] != "colocated" else "—",
                _f(s.get("pd_own_cache_share"), "{:.0%}"), _f(s.get("pd_encoder_cache_hit_rate"), "{:.0%}"),
-               _f(s.get("misroutes"), "{:.0f}"), f"{s['failed']} of {s['requests']}"]
+               _f(s.get("pd_busiest_share"), "{:.0%}"), _f(s.get("misroutes"), "{:.0f}"),
+               f"{s['failed']} of {s['requests']}"]
         row += [f"{_f(s.get(f'ttft_p50_ms_t{t}'))} / {_f(s.get(f'ttft_p99_ms_t{t}'))}" for t in turns]
         row += [_f((s.get("vs_rr") or {}).get("ttft_p50_ms_later"), "{:.2f}"),
                 f"{s['tokens_equal']} of {s['tokens_compared']}" if "tokens_compared" in s else "—",
