@@ -79,11 +79,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--items", type=int, default=2, help="new items per request (default 2)")
     ap.add_argument("--cache-items", type=int, default=1000, help="items the simulated cache holds")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    ap.add_argument("--batch-s", type=float, default=None, help="the publisher's batch_s (default: its default)")
     ap.add_argument("--json", default=None, metavar="PATH")
     a = ap.parse_args(argv)
     from ec_nixl.events.publisher import EventPublisher, PublisherConfig
 
-    pub = EventPublisher(PublisherConfig("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "http://bench", ("encoder_cache",)))
+    cfg = PublisherConfig("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", "http://bench", ("encoder_cache",))
+    if a.batch_s is not None:
+        cfg.batch_s = a.batch_s
+    pub = EventPublisher(cfg)
     ctx = mp.get_context("spawn")
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_subscriber, args=(child, pub.endpoint, pub.replay_endpoint), daemon=True)
@@ -112,10 +116,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         proc.join(10)
     batches, total = st.get("batches", 0), start
     median = statistics.median(costs)
-    out = {"rate": a.rate, "items_per_request": a.items, "rounds": rows, "median_cost_pct_core": round(median, 3),
+    out = {"rate": a.rate, "items_per_request": a.items, "batch_s": cfg.batch_s, "rounds": rows, "median_cost_pct_core": round(median, 3),
            "batches_per_request": round(batches / total, 3), "events_per_request": round(st.get("events", 0) / total, 3),
            "subscriber_consistent": consistent, "subscriber": sub_counters, "goal_pct": GOAL_PCT}
-    print(f"\nevents cost at {a.rate:g} requests/s ({a.items} items each, every one stored then evicted): "
+    print(f"\nevents cost at {a.rate:g} requests/s ({a.items} items each, every one stored then evicted; "
+          f"batch_s {cfg.batch_s:g}): "
           f"median {median:.3f} % of a core (goal <= {GOAL_PCT} %: {'met' if median <= GOAL_PCT else 'MISSED'}); "
           f"{out['batches_per_request']} messages and {out['events_per_request']} events per request; "
           f"subscriber {'in sync with' if consistent else 'DIFFERS from'} the publisher")
