@@ -58,7 +58,7 @@ class PublisherConfig:
     hwm: int = 100_000
     heartbeat_s: float = 1.0
     batch_s: float = 0.05
-    """Changes flushed within this of the last batch wait to go out with the next (0: every flush sends)."""
+    """While changes keep coming, one batch per this (0: every flush sends, from the caller's thread)."""
     data_parallel_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
