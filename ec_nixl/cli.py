@@ -1,7 +1,8 @@
 """The ``ec-nixl`` command: ``bench`` (transfer microbenchmarks), ``bench serve`` (vLLM's serving
 benchmark against whole deployments), ``bench e2e`` (a real vLLM E -> PD deployment checked against
-a colocated server), ``serve-disagg`` (E -> PD launcher) and ``status`` (an instance's pool
-occupancy and counters)."""
+a colocated server), ``bench events`` (what encoder-cache events cost), ``serve-disagg`` (E -> PD
+launcher), ``status`` (an instance's pool occupancy and counters) and ``events`` (follow or dump
+instances' encoder-cache events)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: ec-nixl {bench,bench serve,bench e2e,serve-disagg,status} [options]   (ec-nixl COMMAND --help for details)"
+    usage = ("usage: ec-nixl {bench,bench serve,bench e2e,bench events,serve-disagg,status,events} [options]   "
+             "(ec-nixl COMMAND --help for details)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd == "bench" and rest[:1] == ["events"]:
+        from ec_nixl.bench.events_cost import main as events_bench_main
+
+        return events_bench_main(rest[1:])
     if cmd == "bench" and rest[:1] == ["serve"]:
         from ec_nixl.bench.serve import main as serve_bench_main
 
@@ -33,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(rest)
     if cmd == "status":
         return status_main(rest)
+    if cmd == "events":
+        from ec_nixl.events.watch import main as events_main
+
+        return events_main(rest)
     if cmd in ("-V", "--version"):
         from ec_nixl import __version__
 

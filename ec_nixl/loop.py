@@ -53,7 +53,7 @@ def lower_switch_interval(seconds: float) -> None:
                     sys.getswitchinterval())
 
 
-def _name_os_thread(name: str) -> None:
+def name_os_thread(name: str) -> None:
     """Give the calling thread an OS name (Linux, 15 bytes): per-thread CPU tables (``ec-nixl bench
     serve``, ``top -H``) then show the I/O thread apart from the vLLM process it runs in."""
     try:
@@ -251,7 +251,7 @@ class OwnerLoop:
 
     def _run(self, on_owner: Callable[[], None]) -> None:
         self._owner = threading.get_ident()
-        _name_os_thread("ec-nixl-io")
+        name_os_thread("ec-nixl-io")
         on_owner()
         try:
             while not self._closed:

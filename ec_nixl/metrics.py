@@ -46,6 +46,11 @@ COUNTERS = (
     "publish_wakes",  # producer: publishes that woke the I/O thread for waiting requests (none: all native)
     "expected_items",  # consumer scheduler: items asked for before their encoder finished (ec_nixl_expect)
     "malformed_reports",  # consumer scheduler (vLLM < 0.32): workers' step reports dropped (report_channel)
+    "encoded",  # scheduler: items vLLM scheduled for this engine's own encoder (E: its encodes; PD: local ones)
+    "mm_items",  # consumer scheduler: items its requests needed when first seen (not in the prefix cache)
+    "mm_kv_hits",  # consumer scheduler: items already covered by the prefix (KV) cache when first seen
+    "mm_cache_hits",  # consumer scheduler: of mm_items, found in vLLM's encoder cache (neither loaded nor encoded)
+    "cache_route_misses",  # scheduler: items a cache-aware router sent here as held that were not (ec_nixl_route)
 )
 
 PHASES = (

@@ -4,7 +4,9 @@ uses them too; ``vllm.metadata`` parses the per-item entries against the request
 * per item, under ``PARAMS_KEY``: where a finished encoder output is and what it is (the encoder's
   answer carries them; the proxy forwards them to the PD);
 * at the top level, ``EXPECT_KEY``: the request reached the PD while its encoder was still running
-  at the named producer (the proxy's overlapped flow); every item of it will be published there.
+  at the named producer (the proxy's overlapped flow); every item of it will be published there;
+* at the top level, ``ROUTE_KEY``: the items a cache-aware router sent this instance because its
+  encoder-cache events said it holds them (an engine that has to encode one counts a misroute).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from ec_nixl.errors import ECNixlError
 PARAMS_KEY = "ec_nixl"
 PARAMS_VERSION = 1
 EXPECT_KEY = "ec_nixl_expect"
+ROUTE_KEY = "ec_nixl_route"
+MAX_ROUTED_ITEMS = 4096
 
 
 def build_expect(producer: str) -> dict:
@@ -50,3 +54,21 @@ def announced_producer(params: Any) -> Optional[str]:
         if isinstance(c, dict) and isinstance(c.get("producer"), str):
             return c["producer"]
     return None
+
+
+def build_route(held: list[str]) -> dict:
+    """``ec_transfer_params`` entry naming the items a router believes this instance holds."""
+    return {ROUTE_KEY: {"v": PARAMS_VERSION, "held": list(held)}}
+
+
+def parse_route(params: Any) -> tuple[frozenset[str], str]:
+    """The items ``ROUTE_KEY`` names, or why the entry is bad (it only feeds a counter: a bad one
+    is reported and ignored, the request goes on)."""
+    if not isinstance(params, dict) or ROUTE_KEY not in params:
+        return frozenset(), ""
+    c = params[ROUTE_KEY]
+    held = c.get("held") if isinstance(c, dict) and c.get("v") == PARAMS_VERSION else None
+    if not isinstance(held, list) or len(held) > MAX_ROUTED_ITEMS or not all(isinstance(h, str) for h in held):
+        return frozenset(), (f"bad {ROUTE_KEY}: expected {{'v': {PARAMS_VERSION}, 'held': [up to "
+                             f"{MAX_ROUTED_ITEMS} mm hashes]}}")
+    return frozenset(held), ""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -34,6 +34,25 @@ from ec_nixl.states import PUSH_NEXT, PushState, advance
 from ec_nixl.tensors import Both, describe, dtype_name
 
 logger = logging.getLogger("ec_nixl")
+
+
+class TableListener(Protocol):
+    """Hears each item that enters the table and each that leaves it (freed, evicted, expired,
+    unpublished), without the table's lock held: a producer pool's encoder-cache events."""
+
+    def stored(self, desc: P.ItemDesc) -> None: ...
+
+    def removed(self, mm_hash: str) -> None: ...
+
+
+class _Unheard:
+    """The listener of a table nobody listens to."""
+
+    def stored(self, desc: P.ItemDesc) -> None:
+        pass
+
+    def removed(self, mm_hash: str) -> None:
+        pass
 
 
 class Push:
@@ -167,6 +186,7 @@ class Published:
         self._items: dict[str, Item] = {}
         self.native = None  # native_push.NativePushes: parked pushes the publish starts (server sets it)
         self.answers = None  # native_answers.NativeAnswers: parked Holds and Gets the publish answers
+        self.listener: TableListener = _Unheard()  # (ec_nixl.vllm.cache_events sets its own)
 
     def __len__(self) -> int:
         with self._lock:
@@ -321,7 +341,7 @@ class Published:
             if not self._gone(item, now):
                 return True
             del self._items[mm_hash]
-        self._release(item.slot)
+        self._release(item)
         return True
 
     def _gone(self, item: Item, now: float) -> bool:
@@ -333,10 +353,11 @@ class Published:
             return now >= item.promised or item.satisfied()
         return self.cfg.free_when_consumed and item.satisfied()
 
-    def _release(self, slot: Slot) -> None:
-        """The table lets go of an item's slot; a publisher waiting for space is woken."""
-        self.pool.release(slot)
+    def _release(self, item: Item) -> None:
+        """The table let go of ``item``: its slot goes back (a publisher waiting for space is woken)."""
+        self.pool.release(item.slot)
         self._on_free()
+        self.listener.removed(item.desc.mm_hash)
 
     def _add(self, desc: P.ItemDesc, slot: Slot, ready: Optional[Fence]) -> bool:
         """Add the item, start off the GIL what waited for it natively; True if some went back to the server."""
@@ -350,6 +371,7 @@ class Published:
                 answers, answers_back = answering.take(item, self._grant)
                 back = back or answers_back
         self.metrics.count("published")
+        self.listener.stored(desc)
         if fired:  # parked pushes of this item: their WRITEs start now, off the GIL
             back = not self.native.fire(item, fired) or back
             self.metrics.count("native_pushes", len(fired))
@@ -374,7 +396,7 @@ class Published:
                     del self._items[h]
         for item in victims:
             logger.info("evicting unclaimed item %s (%d B) to make room", item.desc.mm_hash, item.desc.nbytes)
-            self._release(item.slot)
+            self._release(item)
         return len(victims)
 
     # --- serving (owner thread) ------------------------------------------------------
@@ -513,7 +535,7 @@ class Published:
             if not self._gone(item, time.monotonic()) or self._items.get(item.desc.mm_hash) is not item:
                 return
             del self._items[item.desc.mm_hash]
-        self._release(item.slot)
+        self._release(item)
 
     def expire(self, now: float) -> None:
         """End pins and leases that ran out (items nobody read are counted, then freed)."""
@@ -540,14 +562,16 @@ class Published:
             if not item.satisfied():
                 self.metrics.count("expired_leases")
                 logger.info("ec-nixl: lease of %s expired unread", item.desc.mm_hash)
-            self._release(item.slot)
+            self._release(item)
 
     def inspect(self) -> dict[str, dict]:
         """What keeps each item alive, as plain data (for status output and test messages)."""
-        now = time.monotonic()
         with self._lock:
-            return {h: {"pins": {f"{k[0]}/{k[1]}": round(v - now, 3) for k, v in it.pins.items()},
-                        "pushes": len(it.pushes), "interest": dict(it.interest),
-                        "done": {g: sorted(r) for g, r in it.done.items()},
-                        "lease_left": round(it.expires_at - now, 3), "withdrawn": it.withdrawn}
-                    for h, it in self._items.items()}
+            return {h: _keeping(it, time.monotonic()) for h, it in self._items.items()}
+
+
+def _keeping(it: Item, now: float) -> dict:
+    """What keeps ``it`` alive (``Published.inspect``)."""
+    return {"pins": {f"{k[0]}/{k[1]}": round(v - now, 3) for k, v in it.pins.items()},
+            "pushes": len(it.pushes), "interest": dict(it.interest), "done": {g: sorted(r) for g, r in it.done.items()},
+            "lease_left": round(it.expires_at - now, 3), "withdrawn": it.withdrawn}

@@ -53,6 +53,22 @@ class Breakage:
     env: dict = field(default_factory=dict)  # extra environment for the test run
 
 
+READ_TRACKED = """        for t in tickets:
+            t.xfer, t.t_post = x, t_post
+            t.enter(_READ)
+        self.in_flight[x] = tickets
+"""
+READ_LANDS_AT_POST = """        for t in tickets:
+            t.xfer, t.t_post = x, t_post
+            t.enter(_READ)
+            t.land()  # BROKEN: landed at post time (both posting paths)
+            self.metrics.count("loads_landed")
+            self.loop.changed()
+        self.in_flight[x] = tickets
+"""
+"""The READ lane's ``_track``, where both posting paths end, and the same landing every ticket at
+once (two rows: the CPU tests' and the race inside vLLM)."""
+
 BREAKAGES: tuple[Breakage, ...] = (
     Breakage(
         name="scheduler-has-item-before-hold",
@@ -110,19 +126,8 @@ BREAKAGES: tuple[Breakage, ...] = (
         name="read-lands-when-posted",
         guarantee="a READ's item lands when NIXL reports the READ complete, not when it is posted",
         file="ec_nixl/read_lane.py",
-        old="""        for t in tickets:
-            t.xfer, t.t_post = x, t_post
-            t.enter(_READ)
-        self.in_flight[x] = tickets
-""",
-        new="""        for t in tickets:
-            t.xfer, t.t_post = x, t_post
-            t.enter(_READ)
-            t.land()  # BROKEN: landed at post time (both posting paths)
-            self.metrics.count("loads_landed")
-            self.loop.changed()
-        self.in_flight[x] = tickets
-""",
+        old=READ_TRACKED,
+        new=READ_LANDS_AT_POST,
         tests=("tests/test_transfer.py", "tests/test_faults_peer_death.py", "tests/test_soak.py"),
         expect=("test_barrier_waits_for_a_read_still_in_flight",
                 "test_producer_killed_mid_transfer_hands_over_only_whole_items"),
@@ -232,18 +237,8 @@ BREAKAGES: tuple[Breakage, ...] = (
         name="race-read-lands-at-post",
         guarantee="inside vLLM, a pulled item reaches the gather only once NIXL reports its READ complete",
         file="ec_nixl/read_lane.py",
-        old="""        for t in tickets:
-            t.xfer, t.t_post = x, t_post
-            t.enter(_READ)
-        self.in_flight[x] = tickets
-""",
-        new="""        for t in tickets:
-            t.xfer, t.t_post = x, t_post
-            t.enter(_READ)
-            t.land()  # BROKEN: landed at post time (both posting paths)
-            self.loop.changed()
-        self.in_flight[x] = tickets
-""",
+        old=READ_TRACKED,
+        new=READ_LANDS_AT_POST,
         tests=("tests/e2e/test_e2e_vllm_check.py",),
         expect=("test_real_vllm_e2e_matches_colocated",),
         env={"EC_NIXL_E2E_MODE": "read", "EC_NIXL_E2E_ASSERT": "answers"},

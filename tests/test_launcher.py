@@ -176,3 +176,45 @@ def test_a_sleeping_or_busy_young_group_is_not_wedged(tmp_path: Path) -> None:
             assert wait_until(lambda: _cmdline(inst.proc.pid) == argv, 10)
             assert wedged(inst.proc.pid) == []
             sup.stop(1)
+
+
+@pytest.mark.parametrize("n_e,n_pd,connector,proxy_args,route,want", [
+    (1, 2, "NixlECConnector", [], "auto", "cache-aware"),  # more than one PD
+    (2, 1, "NixlECConnector", [], "auto", "cache-aware"),  # more than one E
+    (1, 1, "NixlECConnector", [], "auto", "round-robin"),  # nothing to choose between
+    (2, 2, "NixlECConnector", ["--flow", "overlap"], "auto", "round-robin"),  # cache-aware is flow pull's
+    (2, 2, "ECExampleConnector", [], "auto", "round-robin"),  # no events
+    (1, 2, "NixlECConnector", [], "round-robin", "round-robin"),
+])
+def test_serve_disagg_turns_events_on_and_picks_the_route(tmp_path, n_e, n_pd, connector, proxy_args, route,
+                                                          want) -> None:
+    cfg = LaunchConfig(model="m", num_encoders=n_e, num_pd=n_pd, log_dir=tmp_path, ec_buffer_device="cpu",
+                       connector=connector, proxy_args=proxy_args, route=route)
+    insts = plan(cfg)
+    argv = proxy_instance(cfg, insts).argv
+    assert argv[argv.index("--route") + 1] == want, argv
+    if connector != "NixlECConnector":
+        assert "--events" not in argv
+        return
+    for i in insts:  # each instance names itself by the URL the proxy knows it by
+        extra = i.ec_transfer_config["ec_connector_extra_config"]
+        assert extra["events"] is True and extra["events_instance"] == i.url
+        assert extra["events_port"] == i.ec_transfer_config["ec_port"] + 1000
+    sources = argv[argv.index("--events") + 1].split(",")
+    want_sources = []
+    for i in insts:
+        base = i.ec_transfer_config["ec_port"] + 1000
+        want_sources += [f"tcp://127.0.0.1:{base}"] + ([f"tcp://127.0.0.1:{base + 2}"] if i.role == "encoder" else [])
+    assert sources == want_sources
+
+
+def test_serve_disagg_without_events(tmp_path) -> None:
+    cfg = LaunchConfig(model="m", num_encoders=2, num_pd=2, log_dir=tmp_path, ec_buffer_device="cpu", events=False)
+    insts = plan(cfg)
+    argv = proxy_instance(cfg, insts).argv
+    assert "events" not in insts[0].ec_transfer_config["ec_connector_extra_config"]
+    assert argv[argv.index("--route") + 1] == "round-robin" and "--events" not in argv
+    # an instance's own extra_config wins over the launcher's
+    cfg = LaunchConfig(model="m", num_encoders=1, num_pd=2, log_dir=tmp_path, ec_buffer_device="cpu",
+                       extra_config={"events": False})
+    assert "--events" not in proxy_instance(cfg, plan(cfg)).argv

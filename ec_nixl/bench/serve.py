@@ -61,10 +61,15 @@ from typing import Any, Iterator, Optional
 
 from ec_nixl.bench import request_trace
 
-DEPLOYMENTS = ("colocated", "nixl", "nixl-seq", "nixl-push", "example", "mooncake")
+DEPLOYMENTS = ("colocated", "nixl", "nixl-seq", "nixl-push", "nixl-rr", "nixl-cache", "example", "mooncake")
 DEFAULT_DEPLOYMENTS = "colocated,nixl,example,mooncake"
 CONNECTOR = {"nixl": "NixlECConnector", "nixl-seq": "NixlECConnector", "nixl-push": "NixlECConnector",
-             "example": "ECExampleConnector", "mooncake": "ECMooncakeConnector"}
+             "nixl-rr": "NixlECConnector", "nixl-cache": "NixlECConnector", "example": "ECExampleConnector",
+             "mooncake": "ECMooncakeConnector"}
+ROUTES = {"nixl-rr": ["--route", "round-robin", "--content-ids"], "nixl-cache": ["--route", "cache-aware"]}
+"""The E-then-PD flow under each proxy route (issue 49): round-robin (today's), and cache-aware
+from the engines' encoder-cache events (only that one publishes them). Round-robin also gets
+the content uuids, so that the two differ in where requests go and nothing else."""
 FLOW = {"nixl": "overlap", "nixl-push": "push"}  # the proxy's --flow where the launcher's choice is not it
 PLACEHOLDERS = "+placeholders"
 CPU_VLLM_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "8", "--enforce-eager", "--dtype", "bfloat16",
@@ -126,6 +131,21 @@ def split_variant(name: str) -> tuple[str, dict[str, Any]]:
     return base, extra
 
 
+def split_shape(name: str) -> tuple[str, tuple[int, int]]:
+    """``'nixl-cache:2x2@k=v'`` -> ``('nixl-cache@k=v', (2, 2))``: encoders x PDs (default 1x1)."""
+    head, sep, rest = name.partition(":")
+    if not sep:
+        return name, (1, 1)
+    shape, at, tail = rest.partition("@")
+    try:
+        n_e, n_pd = (int(x) for x in shape.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"deployment {name!r}: shape {shape!r} is not ExPD, e.g. 2x2") from None
+    if n_e < 1 or n_pd < 1 or head == "colocated":
+        raise ValueError(f"deployment {name!r}: a shape needs an E + PD deployment and at least 1x1")
+    return head + at + tail, (n_e, n_pd)
+
+
 def pd_media(base: str) -> tuple[str, list[str]]:
     """``'nixl-push+placeholders'`` -> ``('nixl-push', [proxy args])``: with ``+placeholders`` the
     proxy sends the PD ``image_embeds`` placeholders instead of the images (``--pd-media
@@ -141,7 +161,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ec-nixl bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench-serve-out"), help="logs, per-run results, tiny model")
     p.add_argument("--model", default=None, help="model path (default: build the tiny Qwen2-VL under --out)")
-    p.add_argument("--deployments", default=DEFAULT_DEPLOYMENTS,
+    p.add_argument("--deployments", default=None,
                    help=f"comma list of {', '.join(DEPLOYMENTS)}; nixl@key=value adds an ec_connector_extra_config "
                         f"setting (e.g. nixl,nixl@gil_switch_interval_s=null)")
     p.add_argument("--reference", default="example", help="deployment the ratios divide by")
@@ -164,6 +184,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=18000, help="first port (each deployment uses a block of 100)")
     p.add_argument("--json", default=None, metavar="PATH", help=f"write every row and the summary ({SCHEMA})")
     p.add_argument("--plot", default=None, metavar="PATH", help="TTFT p50 vs concurrency PNG (needs matplotlib)")
+    p.add_argument("--workload", default="random-mm", choices=("random-mm", "multi-turn", "shared-image", "reuse"),
+                   help="random-mm (vLLM's serving benchmark, default) or workloads that send images again "
+                        "(bench/reuse.py: cache-aware routing against round-robin, default deployments "
+                        "colocated,nixl-rr:1x2,nixl-cache:1x2,nixl-rr:2x2,nixl-cache:2x2)")
+    p.add_argument("--conversations", type=int, default=16, help="multi-turn: conversations (1 or 2 images each)")
+    p.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    p.add_argument("--shared-images", type=int, default=8, help="shared-image: distinct images")
+    p.add_argument("--shared-requests", type=int, default=48, help="shared-image: requests (one image each)")
+    p.add_argument("--zipf", type=float, default=1.1, help="shared-image: Zipf exponent of the images' popularity")
+    p.add_argument("--reuse-concurrency", type=int, default=4,
+                   help="multi-turn: conversations at a time; shared-image: requests at a time")
     return p
 
 
@@ -184,8 +215,9 @@ def _root() -> Path:
 @contextmanager
 def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[str],
                role_args: Optional[dict[str, list[str]]] = None) -> Iterator[dict]:
-    """Start ``name``, wait until it serves, yield its URLs; stop everything on the way out.
-    ``role_args``: flags per role ("colocated", "encoder", "pd"), after ``vllm_args``."""
+    """Start ``name``, wait until it serves, yield its URLs; stop everything on the way out
+    (``name`` may carry a shape, ``nixl-cache:2x2``: ``split_shape``). ``role_args``: flags per role
+    ("colocated", "encoder", "pd"), after ``vllm_args``."""
     role_args = role_args or {}
     from ec_nixl.disagg.launcher import Cluster, Instance, LaunchConfig, Supervisor, instance_env, vllm_argv
 
@@ -201,13 +233,15 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
             sup.spawn(inst)
             sup.wait_healthy([inst], 900.0)
             yield {"url": inst.url, "pd": inst.url, "e_ec": None, "pd_ec": None, "procs": {"colocated": inst.proc.pid},
-                   "trace": log_dir / "trace", "pd_role": "colocated"}
+                   "trace": log_dir / "trace", "pd_role": "colocated", "encoders": [], "pds": [inst.url]}
         return
     # The launcher picks each connector's proxy flow (ECMooncake: push to the PD named in the E
     # request; others E then PD); nixl asks for the overlapped flow.
+    name, (n_e, n_pd) = split_shape(name)
     name, extra = split_variant(name)
     name, proxy_args = pd_media(name)
     proxy_args += ["--flow", FLOW[name]] if name in FLOW else []
+    proxy_args += ROUTES.get(name, [])
     cuda = _cuda()
     if name == "mooncake":
         extra = {"mooncake_protocol": "rdma" if cuda else "tcp"}
@@ -221,7 +255,8 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
                        ec_base_port=port + 50, vllm_args=vllm_args, log_dir=log_dir, env=env,
                        ec_buffer_device=None if cuda else "cpu", ec_buffer_size=POOL_BYTES,
                        proxy_args=proxy_args, extra_config=extra, startup_timeout_s=900.0,
-                       role_vllm_args={r: role_args[r] for r in ("encoder", "pd") if role_args.get(r)})
+                       role_vllm_args={r: role_args[r] for r in ("encoder", "pd") if role_args.get(r)},
+                       num_encoders=n_e, num_pd=n_pd, events=name == "nixl-cache")
     with Cluster(cfg) as c:
         c.start()
         c.wait_ready()
@@ -235,6 +270,8 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
         procs = {i.name: i.proc.pid for i in c.instances + [c.proxy] if i is not None and i.proc is not None}
         yield {"url": c.proxy_url, "pd": pd.url, "e_ec": e_ec, "pd_ec": pd_ec, "procs": procs,
                "trace": log_dir / "trace", "pd_role": "ec_consumer",
+               "encoders": [i.url for i in c.instances if i.role == "encoder"],
+               "pds": [i.url for i in c.instances if i.role == "pd"],
                "storage": (cfg.extra_config.get("shared_storage_path")
                            or str((log_dir / "ec_cache").resolve())) if name == "example" else None}
 
@@ -298,12 +335,7 @@ def point_phases(before: str, after: str) -> dict[str, Any]:
     if before.startswith("json:") and after.startswith("json:"):
         return status_phases(json.loads(before[5:]), json.loads(after[5:]))
     a, b = parse_metrics(before), parse_metrics(after)
-    out: dict[str, Any] = {}
-    n = b.get("admitted", 0) - a.get("admitted", 0)
-    if n > 0:
-        out["admitted"] = n
-        out["steps_per_admitted"] = round((b.get("admission_steps", 0) - a.get("admission_steps", 0)) / n, 3)
-        out["early_share"] = round((b.get("early_admissions", 0) - a.get("early_admissions", 0)) / n, 3)
+    out = admission(a, b)
     for k, (tot, cnt) in ((k[:-6], v) for k, v in b.items() if k.endswith("_sum_n")):
         t0, c0 = a.get(f"{k}_sum_n", (0.0, 0.0))
         if cnt > c0:
@@ -311,17 +343,23 @@ def point_phases(before: str, after: str) -> dict[str, Any]:
     return out
 
 
+def admission(a: dict, b: dict) -> dict[str, Any]:
+    """Requests admitted between two counter readings, engine steps they waited per request, and
+    the share admitted early."""
+    out: dict[str, Any] = {}
+    n = b.get("admitted", 0) - a.get("admitted", 0)
+    if n > 0:
+        out["admitted"] = n
+        out["steps_per_admitted"] = round((b.get("admission_steps", 0) - a.get("admission_steps", 0)) / n, 3)
+        out["early_share"] = round((b.get("early_admissions", 0) - a.get("early_admissions", 0)) / n, 3)
+    return out
+
+
 def status_phases(a: dict, b: dict) -> dict[str, Any]:
     """``point_phases`` from two of the PD's own totals (``ec-nixl status``'s ``connector``): the
     counters' deltas, and the samples each series gained in between (the last of them, by the
     count each series ever had), as means in ms."""
-    ca, cb = a.get("counters") or {}, b.get("counters") or {}
-    out: dict[str, Any] = {}
-    n = cb.get("admitted", 0) - ca.get("admitted", 0)
-    if n > 0:
-        out["admitted"] = n
-        out["steps_per_admitted"] = round((cb.get("admission_steps", 0) - ca.get("admission_steps", 0)) / n, 3)
-        out["early_share"] = round((cb.get("early_admissions", 0) - ca.get("early_admissions", 0)) / n, 3)
+    out = admission(a.get("counters") or {}, b.get("counters") or {})
     seen_a, seen_b = a.get("seen") or {}, b.get("seen") or {}
 
     def new(series: str, samples: list) -> list:
@@ -728,13 +766,18 @@ def main(argv: Optional[list] = None) -> int:
         summary = report(rows, phases, deps, ref)
         _write(args, rows, summary, phases)
         return 0 if not sum(r["failed"] or 0 for r in rows) else 1
+    reuse = args.workload != "random-mm"
+    if args.deployments is None:
+        from ec_nixl.bench.reuse import DEFAULT_DEPLOYMENTS as REUSE_DEPLOYMENTS
+
+        args.deployments = REUSE_DEPLOYMENTS if reuse else DEFAULT_DEPLOYMENTS
     deps = [d.strip() for d in args.deployments.split(",") if d.strip()]
     try:
-        bad = [d for d in deps if pd_media(split_variant(d)[0])[0] not in DEPLOYMENTS]
+        bad = [d for d in deps if pd_media(split_variant(split_shape(d)[0])[0])[0] not in DEPLOYMENTS]
     except ValueError as e:
         print(f"ec-nixl bench serve: {e}", file=sys.stderr)
         return 2
-    if bad or args.reference not in deps:
+    if bad or (args.reference not in deps and not reuse):
         print(f"ec-nixl bench serve: unknown deployment(s) {bad} or reference {args.reference!r} not among "
               f"{deps}; known: {', '.join(DEPLOYMENTS)}", file=sys.stderr)
         return 2
@@ -758,6 +801,10 @@ def main(argv: Optional[list] = None) -> int:
         vllm_args += ["--load-format", "dummy"]  # the shapes only: no weights were written
     role_args = {"colocated": args.colocated_vllm_args.split(), "encoder": args.encoder_vllm_args.split(),
                  "pd": args.pd_vllm_args.split()}
+    if reuse:
+        from ec_nixl.bench.reuse import run as run_reuse
+
+        return run_reuse(args, model, deps, vllm_args, deployment, thread_seconds)
     print(f"ec-nixl bench serve: {', '.join(deps)} x {args.rounds} rounds; points (images, concurrency) "
           f"{points(args)}; {args.prompts} prompts each; model {model}", flush=True)
     rows: list[dict] = []

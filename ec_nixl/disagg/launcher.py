@@ -21,6 +21,7 @@ consumer looks items up by, depends on it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -33,6 +34,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from ec_nixl.config import parse_options
+from ec_nixl.events.config import DEFAULT_PORT_OFFSET, EventsConfig, publisher_ports
+from ec_nixl.events.schema import MEDIUM_CACHE, MEDIUM_POOL
 
 CONNECTORS_WITH_STORAGE = ("ECExampleConnector",)  # need ec_connector_extra_config.shared_storage_path
 ROLES = {"encoder": "ec_producer", "pd": "ec_consumer"}
@@ -82,6 +87,15 @@ class LaunchConfig:
     for its KV cache)."""
     proxy_args: list[str] = field(default_factory=list)
     """Extra flags for the proxy (e.g. its timeouts)."""
+    events: bool = True
+    """NixlECConnector: every instance publishes its encoder-cache events (docs/events.md) and
+    names itself by its URL."""
+    events_base_port: Optional[int] = None
+    """Instance k's publishers bind from events_base_port + k * ec_port_stride (None: its
+    ec_port + 1000)."""
+    route: str = "auto"
+    """The proxy's ``--route``: "auto" is "cache-aware" where it can be (NixlECConnector with
+    events, more than one E or PD, flow pull), else "round-robin"."""
 
     def __post_init__(self) -> None:
         if self.num_encoders < 1 or self.num_pd < 1:
@@ -89,6 +103,8 @@ class LaunchConfig:
         unknown = (set(self.role_vllm_args) | set(self.role_env)) - set(ROLES)
         if unknown:
             raise ValueError(f"unknown role(s) {sorted(unknown)}: the roles are {sorted(ROLES)}")
+        if self.route not in ("auto", "round-robin", "cache-aware"):
+            raise ValueError(f"route must be auto, round-robin or cache-aware, got {self.route!r}")
         self.log_dir = Path(self.log_dir)
 
 
@@ -197,6 +213,12 @@ def plan(cfg: LaunchConfig) -> list[Instance]:
     for k, (role, i) in enumerate(roles):
         name, port = f"{role}{i}", cfg.base_port + k
         ec = ec_transfer_config(cfg, role, f"{name}-{port}", k, device)
+        if publishes_events(cfg):  # (the user's extra_config keys win)
+            events_port = ec["ec_port"] + DEFAULT_PORT_OFFSET if cfg.events_base_port is None else \
+                cfg.events_base_port + k * cfg.ec_port_stride
+            ec["ec_connector_extra_config"] = {"events": True, "events_port": events_port,
+                                               "events_host": "127.0.0.1", "events_instance": f"http://127.0.0.1:{port}",
+                                               **ec["ec_connector_extra_config"]}
         gpu = cfg.gpus[k % len(cfg.gpus)] if cfg.gpus else None
         out.append(Instance(
             name=name, role=role, port=port,
@@ -223,11 +245,46 @@ def proxy_flow(cfg: LaunchConfig, backends: list[Instance]) -> list[str]:
     return []
 
 
+EVENTS_KEYS = frozenset(f.name for f in dataclasses.fields(EventsConfig))
+
+
+def publishes_events(cfg: LaunchConfig) -> bool:
+    return cfg.events and cfg.connector == "NixlECConnector"
+
+
+def event_sources(backends: list[Instance]) -> list[str]:
+    """Every encoder-cache publisher of ``backends`` (an encoder also publishes its pool)."""
+    out = []
+    for b in backends:
+        extra = (b.ec_transfer_config or {}).get("ec_connector_extra_config") or {}
+        cfg = parse_options(EventsConfig, {k: v for k, v in extra.items() if k in EVENTS_KEYS})
+        if not cfg.events:
+            continue
+        for medium in (MEDIUM_CACHE, MEDIUM_POOL) if b.role == "encoder" else (MEDIUM_CACHE,):
+            pub, _ = publisher_ports(cfg, int(b.ec_transfer_config["ec_port"]), 0, medium)
+            out.append(f"tcp://{cfg.events_host or b.ec_transfer_config['ec_ip']}:{pub}")
+    return out
+
+
+def proxy_route(cfg: LaunchConfig, backends: list[Instance], flow_args: list[str]) -> list[str]:
+    """The proxy's ``--route`` and ``--events`` (see ``LaunchConfig.route``)."""
+    sources = event_sources(backends)
+    args = cfg.proxy_args
+    asked_flow = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--flow"), None) or \
+        next((flow_args[i + 1] for i, a in enumerate(flow_args[:-1]) if a == "--flow"), "pull")
+    route = cfg.route
+    if route == "auto":
+        several = cfg.num_encoders > 1 or cfg.num_pd > 1
+        route = "cache-aware" if sources and several and asked_flow == "pull" else "round-robin"
+    return ["--route", route] + (["--events", ",".join(sources)] if sources else [])
+
+
 def proxy_instance(cfg: LaunchConfig, backends: list[Instance]) -> Instance:
+    flow = proxy_flow(cfg, backends)
     argv = [sys.executable, "-m", "ec_nixl.disagg.proxy",
             "--encoders", ",".join(b.url for b in backends if b.role == "encoder"),
             "--pd", ",".join(b.url for b in backends if b.role == "pd"),
-            "--host", cfg.host, "--port", str(cfg.port), *proxy_flow(cfg, backends), *cfg.proxy_args]
+            "--host", cfg.host, "--port", str(cfg.port), *flow, *proxy_route(cfg, backends, flow), *cfg.proxy_args]
     return Instance(name="proxy", role="proxy", port=cfg.port, argv=argv, env=dict(os.environ),
                     log_path=cfg.log_dir / "proxy.log")
 
@@ -513,6 +570,11 @@ def parse_args(argv: list[str]) -> LaunchConfig:
     p.add_argument("--one-by-one", choices=("auto", "yes", "no"), default="auto",
                    help="start each instance once the previous serves (auto: when they share one GPU)")
     p.add_argument("--proxy-args", default="", type=shlex.split, help="flags for the proxy, one string")
+    p.add_argument("--no-events", dest="events", action="store_false",
+                   help="NixlECConnector: do not publish encoder-cache events (then the route is round-robin)")
+    p.add_argument("--events-base-port", type=int, help="first events port (default: each instance's ec_port + 1000)")
+    p.add_argument("--route", choices=("auto", "round-robin", "cache-aware"), default="auto",
+                   help="the proxy's route; auto: cache-aware with more than one E or PD (NixlEC, events, flow pull)")
     tail = argv.index("--") if "--" in argv else len(argv)
     a = p.parse_args(_glue(argv[:tail], ("--vllm-args", "--proxy-args", "--encoder-vllm-args", "--pd-vllm-args")))
     if not isinstance(a.extra_config, dict):
@@ -532,6 +594,7 @@ def parse_args(argv: list[str]) -> LaunchConfig:
             role_vllm_args={r: v for r, v in (("encoder", a.encoder_vllm_args), ("pd", a.pd_vllm_args)) if v},
             log_dir=a.log_dir, env=env, gpus=a.gpus, startup_timeout_s=a.startup_timeout, proxy_args=a.proxy_args,
             one_by_one={"auto": None, "yes": True, "no": False}[a.one_by_one],
+            events=a.events, events_base_port=a.events_base_port, route=a.route,
         )
     except ValueError as e:
         p.error(str(e))

@@ -60,6 +60,13 @@ only wait for a push that is not coming.
     python -m ec_nixl.disagg.proxy --flow push --encoders http://127.0.0.1:8100 \
         --pd http://127.0.0.1:8200 --pd-ec-addresses tcp://127.0.0.1:15608 --port 8000
 
+``--route cache-aware`` (flow pull; ``ec-nixl serve-disagg``'s default with more than one E or
+PD) sends each request where its items' embeddings already are, as the engines' own
+encoder-cache events (``--events``, ``ec_nixl.events``) say: straight to a PD whose encoder cache
+holds them all (no encoder call), else each item to an encoder that holds it or the least-loaded
+one, the PD by where the items are and by load, with a balance guard (``routing.py``). Answers
+carry ``X-EC-Route`` (``pd-cache`` or ``encoder``); ``GET /ec-nixl/routing`` says what it decided.
+
 ``--pd-media placeholders`` (flows pull and push) sends the PD, instead of the media the encoder
 reported, ``<modality>_embeds`` placeholders carrying the encoder's metadata and mm_hash, as
 vllm-router does (``placeholders.py``): the PD skips fetching, decoding and preprocessing, and has
@@ -82,8 +89,10 @@ from typing import Any, Optional
 import aiohttp
 from aiohttp import web
 
+from ec_nixl.disagg.items import map_back, subset_body, with_content_ids
 from ec_nixl.disagg.placeholders import hashes_by_position, media_parts, placeholder_body
-from ec_nixl.params import announced_producer, build_expect
+from ec_nixl.disagg.routing import BalanceGuard, CacheAwareRouter, Loads
+from ec_nixl.params import announced_producer, build_expect, build_route
 
 log = logging.getLogger("ec_nixl.proxy")
 
@@ -92,6 +101,7 @@ FORWARD_HEADERS = ("Authorization", "X-Request-Id")
 FLOWS = ("pull", "overlap", "push", "mooncake")
 FLOW_ALIASES = {"mooncake": "push"}  # the push flow's first name (ECMooncake was its only user)
 PD_MEDIA = ("media", "placeholders")
+ROUTES = ("round-robin", "cache-aware")
 
 
 @dataclass
@@ -133,6 +143,15 @@ class ProxyConfig:
     """Flow "push" only: each PD's consumer control address, in the order of ``pd``: its
     ``tcp://ec_ip:ec_port`` (the first TP rank's port; one DP replica per PD URL). ``host:port``
     is taken as ``tcp://host:port``."""
+    route: str = "round-robin"
+    """"round-robin", or "cache-aware" (flow pull, needs ``events``; see the module docstring)."""
+    events: list[str] = field(default_factory=list)
+    """The encoder-cache event publishers of the backends (``tcp://host:port``, replay at port + 1)."""
+    balance_abs: int = BalanceGuard.abs_threshold
+    balance_rel: float = BalanceGuard.rel_threshold
+    content_ids: Optional[bool] = None
+    """Give media parts without a ``uuid`` one derived from their content (default: with cache-aware
+    routing, which looks items up by them; ``items.py``)."""
 
     def __post_init__(self) -> None:
         if not self.encoders or not self.pd:
@@ -149,6 +168,17 @@ class ProxyConfig:
         if self.flow == "overlap" and self.pd_media != "media":
             raise ValueError("flow 'overlap' sends the PD its request before the encoder has described "
                              "the media: pd_media must be 'media'")
+        if self.route not in ROUTES:
+            raise ValueError(f"unknown route {self.route!r}; choose one of {', '.join(ROUTES)}")
+        if self.route == "cache-aware" and (self.flow != "pull" or not self.events):
+            raise ValueError("route 'cache-aware' needs flow 'pull' and the backends' event publishers (events)")
+        from ec_nixl.events.subscriber import parse_source
+
+        for e in self.events:
+            parse_source(e)  # (a ConfigError, a ValueError, names a malformed one)
+        BalanceGuard(self.balance_abs, self.balance_rel)  # (validates them)
+        if self.content_ids is None:
+            self.content_ids = self.route == "cache-aware"
         if self.flow != "push":
             if self.pd_ec_addresses:
                 raise ValueError("pd_ec_addresses is only used by flow 'push'")
@@ -258,6 +288,14 @@ class Proxy:
         self._producers: dict[str, str] = {}  # flow overlap: encoder URL -> the producer its answers announce
         self._session: Optional[aiohttp.ClientSession] = None
         self._watch_session: Optional[aiohttp.ClientSession] = None
+        self.loads = Loads()
+        self.router: Optional[CacheAwareRouter] = None
+        self._events = None  # the subscriber thread of the cache-aware route
+        if cfg.route == "cache-aware":
+            from ec_nixl.events.index import EventIndex
+
+            self.router = CacheAwareRouter(cfg.encoders, cfg.pd, EventIndex(),
+                                           BalanceGuard(cfg.balance_abs, cfg.balance_rel), self.loads)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 << 20)  # images travel inline as base64
@@ -265,6 +303,7 @@ class Proxy:
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/ec-nixl/routing", self._routing)
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
         return app
@@ -273,8 +312,15 @@ class Proxy:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         # the encoder watch must not reuse a pooled connection: that may be the one that hangs
         self._watch_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
+        if self.router is not None:
+            from ec_nixl.events.subscriber import Subscriber, SubscriberThread, parse_source
+
+            sub = Subscriber([parse_source(e) for e in self.cfg.events], self.router.index)
+            self._events = SubscriberThread(sub).start()
 
     async def _close(self, _app: web.Application) -> None:
+        if self._events is not None:
+            self._events.stop()
         if self._session is not None:
             await self._session.close()
         if self._watch_session is not None:
@@ -418,6 +464,64 @@ class Proxy:
                                           headers)
         return (pd_url, *pd_body(body, push_pd_params(transfer_ids, params), self.cfg.pd_media, params))
 
+    async def _cache_aware(self, path: str, body: dict[str, Any],
+                           headers: dict[str, str]) -> tuple[str, dict[str, Any], str, str, str]:
+        """Route ``cache-aware`` (``routing.py``): the PD chosen, its body, the media it got, the
+        fallback note and the route taken. Items the PD holds are named to it (``ec_nixl_route``);
+        the rest go to their encoders, each call carrying only its items, all at once; an encoder
+        that fails is fallen back from as in the pull flow (the PD encodes those items)."""
+        assert self.router is not None
+        ids = with_content_ids(body)[1]
+        plan = self.router.plan(ids)
+        params: dict[str, Any] = build_route([ids[p] for p in plan.held_at_pd]) if plan.held_at_pd else {}
+        if plan.skips_encoder:
+            return plan.pd, dict(body, ec_transfer_params=params), "", "", "pd-cache"
+        whole = len(plan.encoders) == 1 and not plan.held_at_pd
+
+        async def encode(url: str, positions: list[int]) -> Any:
+            e_body = encoder_body(body if whole else subset_body(body, positions))
+            held = [ids[p] for p in plan.held_at_encoder.get(url, [])]
+            if held:
+                e_body["ec_transfer_params"] = build_route(held)
+            self.loads.inc(url)
+            try:
+                answer = await self._post_encoder(url, path, e_body, headers)
+            finally:
+                self.loads.dec(url)
+            return answer if whole else map_back(answer, positions)
+
+        results = await asyncio.gather(*(encode(u, ps) for u, ps in plan.encoders.items()), return_exceptions=True)
+        entries: dict[str, Any] = {}
+        fallback = []
+        for r in results:
+            if isinstance(r, BaseException):
+                if not isinstance(r, BackendError) or not self._falls_back(r):
+                    raise r
+                log.warning("%s: %s; the PD encodes its items instead", path, r)
+                fallback.append(str(r)[:300])
+            elif isinstance(r, dict):
+                entries.update(r)
+        if not entries:
+            return plan.pd, dict(body, ec_transfer_params=params), "", "; ".join(fallback), "encoder"
+        pd_b, media = pd_body(body, dict(entries, **params), self.cfg.pd_media, entries)
+        return plan.pd, pd_b, media, "; ".join(fallback), "encoder"
+
+    async def _routing(self, request: web.Request) -> web.Response:
+        """What the cache-aware route decided so far, the loads, the index's sources; with
+        ``?item=ID``, who the index says holds that item."""
+        out: dict[str, Any] = {"route": self.cfg.route, "loads": self.loads.snapshot()}
+        if self.router is not None:
+            out["decisions"] = dict(self.router.counters)
+            out["index_entries"] = len(self.router.index)
+            item = request.query.get("item")
+            if item:
+                out["holders"] = [{"instance": h.instance, "medium": h.medium, "nbytes": h.nbytes}
+                                  for h in self.router.index.holders(item)]
+        if self._events is not None:
+            sub = self._events.subscriber
+            out["events"] = {"sources": sub.status(), "counters": dict(sub.counters)}
+        return web.json_response(out)
+
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
@@ -432,8 +536,13 @@ class Proxy:
         first = b""
         pd: Optional[aiohttp.ClientResponse] = None  # opened by the overlapped flow, else below
         e_url = next(self._rr["encoder"]) if self.cfg.flow == "overlap" and needs_encoder(body) else None
+        route = ""  # cache-aware: "pd-cache" (no encoder call) or "encoder"
+        if self.cfg.content_ids:
+            body = with_content_ids(body)[0]
         try:
-            if e_url is not None and e_url in self._producers:
+            if self.router is not None and media_parts(body):
+                url, body, media, fallback, route = await self._cache_aware(request.path, body, headers)
+            elif e_url is not None and e_url in self._producers:
                 url, pd, first, fallback = await self._overlapped(request.path, body, headers, e_url,
                                                                   self._producers[e_url])
             elif self.cfg.flow == "push":
@@ -455,10 +564,25 @@ class Proxy:
             t_enc = time.perf_counter() - t0
             if pd is None:
                 t = self._timeout(read=self.cfg.pd_timeout_s)
-                pd = await self._call("pd", url, "POST", request.path, t, json=body, headers=headers)
+                self.loads.inc(url)
+                try:
+                    pd = await self._call("pd", url, "POST", request.path, t, json=body, headers=headers)
+                except BaseException:
+                    self.loads.dec(url)
+                    raise
+            else:
+                self.loads.inc(url)
         except BackendError as e:
             log.warning("%s %s: %s", request.method, request.path, e)
             return e.response()
+        try:
+            return await self._relay(request, pd, url, first, fallback, media, route, t0, t_enc)
+        finally:
+            self.loads.dec(url)
+
+    async def _relay(self, request: web.Request, pd: aiohttp.ClientResponse, url: str, first: bytes, fallback: str,
+                     media: str, route: str, t0: float, t_enc: float) -> web.StreamResponse:
+        """Pass the PD's answer (opened, maybe with its first bytes read) through to the client."""
         async with pd:
             out = web.StreamResponse(status=pd.status)
             out.headers["Content-Type"] = pd.headers.get("Content-Type", "application/json")
@@ -466,6 +590,8 @@ class Proxy:
                 out.headers["X-EC-Fallback"] = fallback
             if media:
                 out.headers["X-EC-PD-Media"] = media
+            if route:
+                out.headers["X-EC-Route"] = route
             await out.prepare(request)
             try:
                 if first:
@@ -566,6 +692,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--pd-ec-addresses", type=_urls, default=[],
                    help="flow push: comma-separated consumer control address (tcp://ec_ip:ec_port) of each "
                         "PD, in --pd order")
+    p.add_argument("--route", choices=ROUTES, default=ProxyConfig.route,
+                   help="'round-robin' (default) or 'cache-aware': each request where its items' embeddings are, "
+                        "from the engines' encoder-cache events (flow pull; needs --events)")
+    p.add_argument("--events", type=_urls, default=[],
+                   help="comma-separated encoder-cache event publishers of the backends (tcp://host:port)")
+    p.add_argument("--balance-abs", type=int, default=ProxyConfig.balance_abs,
+                   help="cache-aware: in-flight requests a holder may have beyond the least-loaded instance")
+    p.add_argument("--balance-rel", type=float, default=ProxyConfig.balance_rel,
+                   help="cache-aware: ...and the factor it may exceed it by (both exceeded: least-loaded)")
+    p.add_argument("--content-ids", dest="content_ids", action="store_true", default=None,
+                   help="give media parts without a uuid one from their content (default with cache-aware)")
+    p.add_argument("--no-content-ids", dest="content_ids", action="store_false")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -575,7 +713,9 @@ def config_from_args(a: argparse.Namespace) -> ProxyConfig:
                        encode_timeout_s=a.encode_timeout, pd_timeout_s=a.pd_timeout,
                        health_timeout_s=a.health_timeout, encoder_watch_s=a.encoder_watch,
                        encoder_watch_timeout_s=a.encoder_watch_timeout, encoder_fallback=a.encoder_fallback,
-                       flow=a.flow, pd_media=a.pd_media, pd_ec_addresses=a.pd_ec_addresses)
+                       flow=a.flow, pd_media=a.pd_media, pd_ec_addresses=a.pd_ec_addresses, route=a.route,
+                       events=a.events, balance_abs=a.balance_abs, balance_rel=a.balance_rel,
+                       content_ids=a.content_ids)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -17,6 +17,7 @@ from typing import Optional
 from ec_nixl import protocol as P
 from ec_nixl.config import EndpointConfig, parse_options
 from ec_nixl.errors import ConfigError
+from ec_nixl.events.config import EventsConfig
 
 FALLBACKS = ("auto", "fail")
 
@@ -90,6 +91,8 @@ class NixlECOptions:
     """What must match between producer and consumer (default: the model path/name)."""
     endpoint: EndpointConfig = field(default_factory=lambda: EndpointConfig(**_TEMPLATE))
     """The data-plane settings (name, place and pool are filled in per process)."""
+    cache_events: EventsConfig = field(default_factory=EventsConfig)
+    """The encoder-cache events (its ``events*`` keys; ``ec_nixl.events.config``)."""
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
@@ -150,16 +153,18 @@ def parse_extra(extra: dict) -> NixlECOptions:
     extra = {} if extra is None else extra
     if not isinstance(extra, dict):
         raise ConfigError(f"ec_connector_extra_config must be a JSON object, got {type(extra).__name__}")
-    adapter_keys = {f.name for f in dataclasses.fields(NixlECOptions)} - {"endpoint"}
+    adapter_keys = {f.name for f in dataclasses.fields(NixlECOptions)} - {"endpoint", "cache_events"}
     endpoint_keys = {f.name for f in dataclasses.fields(EndpointConfig)} - ENDPOINT_FIXED
-    unknown = sorted(set(extra) - adapter_keys - endpoint_keys)
+    events_keys = {f.name for f in dataclasses.fields(EventsConfig)}
+    unknown = sorted(set(extra) - adapter_keys - endpoint_keys - events_keys)
     if unknown:
         raise ConfigError(f"unknown option(s) {unknown}; valid options are: "
-                          f"{', '.join(sorted(adapter_keys | endpoint_keys))}")
+                          f"{', '.join(sorted(adapter_keys | endpoint_keys | events_keys))}")
     template = parse_options(EndpointConfig, {k: v for k, v in extra.items() if k in endpoint_keys},
                              fixed=_TEMPLATE)
     opts = parse_options(NixlECOptions, {k: v for k, v in extra.items() if k in adapter_keys})
     opts.endpoint = template
+    opts.cache_events = parse_options(EventsConfig, {k: v for k, v in extra.items() if k in events_keys})
     return opts
 
 

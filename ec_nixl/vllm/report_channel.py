@@ -46,15 +46,26 @@ def address(engine_id: str, dp_rank: int, port: int) -> str:
     return f"ipc://{_directory()}/report-{key}"
 
 
-class ReportInbox:
+class _End:
+    """One end of an engine's report socket: its own ZMQ context (the engine's are not ours)."""
+
+    def __init__(self, kind: int, engine_id: str, dp_rank: int, port: int):
+        self.address = address(engine_id, dp_rank, port)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(kind)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM if kind == zmq.PULL else zmq.SNDHWM, QUEUE)
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+
+class ReportInbox(_End):
     """The scheduler's end: bound once, drained without waiting."""
 
     def __init__(self, engine_id: str, dp_rank: int, port: int):
-        self.address = address(engine_id, dp_rank, port)
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, QUEUE)
+        super().__init__(zmq.PULL, engine_id, dp_rank, port)
         self._sock.bind(self.address)
         self._decoder = msgspec.msgpack.Decoder(NixlECWorkerMeta)
         self.malformed = 0
@@ -74,8 +85,7 @@ class ReportInbox:
         return out
 
     def close(self) -> None:
-        self._sock.close(0)
-        self._ctx.term()
+        super().close()
         path = self.address.removeprefix("ipc://")
         try:
             os.unlink(path)
@@ -83,15 +93,11 @@ class ReportInbox:
             pass
 
 
-class ReportOutbox:
+class ReportOutbox(_End):
     """A worker rank's end: one report per step that had news, never waited for."""
 
     def __init__(self, engine_id: str, dp_rank: int, port: int):
-        self.address = address(engine_id, dp_rank, port)
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, QUEUE)
+        super().__init__(zmq.PUSH, engine_id, dp_rank, port)
         self._sock.connect(self.address)
         self._encoder = msgspec.msgpack.Encoder()
         self.dropped = 0
@@ -109,6 +115,3 @@ class ReportOutbox:
                                "dropping them (counters only; loads are not affected)", QUEUE)
             return False
 
-    def close(self) -> None:
-        self._sock.close(0)
-        self._ctx.term()

@@ -57,6 +57,7 @@ from ec_nixl.metrics import Metrics
 import ec_nixl.vllm.hooks as hooks
 from ec_nixl.vllm.admission import Admission, Item, decide, first_sight, outcome
 from ec_nixl.vllm.announce import Announcer
+from ec_nixl.vllm.cache_events import SchedulerEvents
 from ec_nixl.vllm.features import FeatureFacts
 from ec_nixl.vllm.metadata import LoadSpec, NixlECMetadata, NixlECWorkerMeta
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
@@ -84,18 +85,21 @@ def _runs(scheduler_output) -> bool:
     return int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0) > 0
 
 
-def _control_endpoint(cfg) -> Endpoint:
-    """The scheduler's control-only endpoint. A consumer's listens for vLLM EPD routers' control
-    requests; a port already taken (two PDs on one host with the same ``ec_port``, which served
-    before routers needed it) is logged, and the PD runs without it: only those requests fail."""
+def _control_endpoint(cfg, stats) -> Endpoint:
+    """The scheduler's control-only endpoint; it answers ``ec-nixl status`` with ``stats()`` added.
+    A consumer's listens for vLLM EPD routers' control requests; a port already taken (two PDs on
+    one host with the same ``ec_port``, which served before routers needed it) is logged, and the
+    PD runs without it: only those requests fail."""
     try:
-        return Endpoint(cfg)
+        ep = Endpoint(cfg)
     except ConfigError as e:
         if cfg.listen is None:
             raise
         logger.warning("ec-nixl: %s: vLLM EPD routers' control requests (peers, cancel) to this PD will fail; "
                        "give each PD its own ec_port to have them", e)
-        return Endpoint(dataclasses.replace(cfg, listen=None))
+        ep = Endpoint(dataclasses.replace(cfg, listen=None))
+    ep.stats_extra = stats
+    return ep
 
 
 class SchedulerSide:
@@ -107,14 +111,14 @@ class SchedulerSide:
         self.metrics = Metrics()
         self.counts = StatsBook(self.metrics, intervals=hooks.STATS)  # this interval's and the running totals
         self.announcer = Announcer(self.facts, opts, place)  # producer: what a finished request announces
+        self.cache_events = SchedulerEvents(opts, place, self.metrics, self.facts)  # vLLM's encoder cache
         self.endpoint: Optional[Endpoint] = None
         self.transfers = TransferIds()  # push flow: the transfer ids of our requests' items
         self.producers: Optional[ProducerView] = None
         if place.is_consumer:
             self.endpoint = _control_endpoint(endpoint_config(place, opts, compat_fields(vllm_config, opts),
-                                                              control_only=True))
+                                                              control_only=True), self.counts.totals)
             self.producers = ProducerView(self.endpoint, place.readers, opts.prefetch_defer_s)
-            self.endpoint.stats_extra = self.counts.totals  # `ec-nixl status` on the PD's ec_port
             if self.endpoint.server is not None:  # the PD's control port: vLLM EPD routers' cancels
                 self.endpoint.server.on_cancel = self.transfers.cancel
         self._reqs: dict[str, Admission] = {}
@@ -287,6 +291,7 @@ class SchedulerSide:
         adm = first_sight(request, num_computed_tokens, self._step, self.facts, self.opts.fallback == "auto",
                           self._users, self.metrics)
         self._reqs[adm.req_id] = adm
+        self.cache_events.first_sight(request, num_computed_tokens)
         params = getattr(request, "ec_transfer_params", None)
         if params:
             self.transfers.seen(adm.req_id, params, {f.identifier for f in request.mm_features})
@@ -404,6 +409,7 @@ class SchedulerSide:
             self.stand_ins.loaded(request, index)
         elif self.place.is_producer:
             self.announcer.encoded(request.request_id, h)
+        self.cache_events.allocated(request, index, spec)
 
     def update_state_after_free(self, request, index: int) -> None:
         """The item's embeddings are in the KV cache: workers may give its pool slot back."""
@@ -413,18 +419,16 @@ class SchedulerSide:
             self._release.append(h)
 
     def build_connector_meta(self, scheduler_output) -> NixlECMetadata:
-        self.stand_ins.take_reports(self.update_connector_output)  # (vLLM < 0.32 sends no worker meta to it)
-        for request, index in self.stand_ins.committed_before(scheduler_output):  # (< 0.32: no such hook)
-            self.update_state_after_free(request, index)
+        self.stand_ins.before_step(scheduler_output, self.update_connector_output, self.update_state_after_free)
         self._cancel_waiting()
         self._place_loads()
         self._busy = _runs(scheduler_output)
         self._step += 1
+        publish, modalities = self.cache_events.step(scheduler_output, self.announcer.take_publish())
         if not self._busy and not self._loads:  # kept for the next step that runs (see _runs)
-            return NixlECMetadata(prefetch=self._prefetch[:], release=self._release[:],
-                                  publish=self.announcer.take_publish())
-        meta = NixlECMetadata(loads=self._loads, prefetch=self._prefetch, publish=self.announcer.take_publish(),
-                              release=self._release)
+            return NixlECMetadata(prefetch=self._prefetch[:], release=self._release[:], publish=publish, modalities=modalities)
+        meta = NixlECMetadata(loads=self._loads, prefetch=self._prefetch, publish=publish, release=self._release,
+                              modalities=modalities)
         self._loads, self._prefetch, self._release = [], [], []
         if meta.loads:  # workers may add a failed load to this step's encoder inputs (WorkerSide)
             meta.step = scheduler_output
@@ -458,9 +462,9 @@ class SchedulerSide:
     # ================================================================ request finished (both roles)
 
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
+        self.cache_events.finished(request)
         adm = self._reqs.pop(request.request_id, None)
-        for i in self.stand_ins.finished(request):
-            self.update_state_after_free(request, i)
+        self.stand_ins.finished(request, self.update_state_after_free)
         self.transfers.forget(request.request_id)
         loaded_here: set[str] = set()  # ec_both: items that came from another producer
         if adm is not None:
@@ -493,6 +497,7 @@ class SchedulerSide:
         return None if stats.is_empty() else stats
 
     def shutdown(self) -> None:
+        self.cache_events.close()
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None

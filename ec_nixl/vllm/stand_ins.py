@@ -90,18 +90,24 @@ class SchedulerStandIns:
         if self._watch is not None:
             self._watch.watch(request, index)
 
-    def committed_before(self, scheduler_output) -> list[tuple[Any, int]]:
-        """The loads the previous step committed (released with this step's metadata); this
-        step's are noted for the next."""
+    def before_step(self, scheduler_output, apply_report: Callable[[NixlECWorkerMeta], None],
+                    release: Callable[[Any, int], None]) -> None:
+        """At the start of ``build_connector_meta``: ``apply_report`` each worker report that came
+        since the last step (``take_reports``), and ``release(request, index)`` each load the
+        previous step committed (released with this step's metadata); this step's are noted for
+        the next."""
+        self.take_reports(apply_report)
         out, self._committed = self._committed, (self._watch.committed_by(scheduler_output) if self._watch else [])
-        return out
+        for request, index in out:
+            release(request, index)
 
-    def finished(self, request) -> list[int]:
+    def finished(self, request, release: Callable[[Any, int], None]) -> None:
         """The request ended: its loads not released yet (committed or not) are released now."""
         rid = request.request_id
         done = [i for r, i in self._committed if r.request_id == rid]
         self._committed = [(r, i) for r, i in self._committed if r.request_id != rid]
-        return done + (self._watch.forget(request) if self._watch else [])
+        for index in done + (self._watch.forget(request) if self._watch else []):
+            release(request, index)
 
     def close(self) -> None:
         if self._inbox is not None:

@@ -217,6 +217,11 @@ _PROM_COUNTERS = {
     "unplaced_loads": "vllm:nixl_ec_num_unplaced_loads",
     "expected_items": "vllm:nixl_ec_num_expected_items",
     "resent": "vllm:nixl_ec_num_resent",
+    "encoded": "vllm:nixl_ec_num_encoded",
+    "mm_items": "vllm:nixl_ec_num_mm_items",
+    "mm_kv_hits": "vllm:nixl_ec_num_mm_kv_hits",
+    "mm_cache_hits": "vllm:nixl_ec_num_mm_cache_hits",
+    "cache_route_misses": "vllm:nixl_ec_num_cache_route_misses",
 }
 
 

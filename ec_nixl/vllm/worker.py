@@ -27,12 +27,14 @@ from typing import Optional
 import torch
 
 from ec_nixl.barrier import LoadBarrier
+from ec_nixl.events import schema as S
 from ec_nixl.endpoint import Endpoint
 from ec_nixl.states import TicketState
 from ec_nixl.tensors import torch_dtype
 from ec_nixl.tickets import ItemRef, LoadTicket
 from ec_nixl.errors import ConfigError, ECNixlError, LoadFailed
 import ec_nixl.vllm.hooks as hooks
+from ec_nixl.vllm.cache_events import PoolEvents, make_publisher
 from ec_nixl.vllm.metadata import NixlECMetadata, NixlECWorkerMeta
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
 
@@ -60,6 +62,7 @@ class WorkerSide:
         self._to_publish: list[tuple[str, torch.Tensor]] = []
         self._producer_cache: Optional[dict] = None  # the encoder cache save_caches is handed
         self._reports = None  # vLLM < 0.32: report_channel.ReportOutbox (consumers)
+        self.pool_events: Optional[PoolEvents] = None  # a serving producer's pool, as encoder_pool events
         # Fault injection for tests only: publish a corrupted copy, to prove consumers use ours.
         self._corrupt = os.environ.get("EC_NIXL_FAULT_CORRUPT_PUBLISH") == "1"
 
@@ -72,6 +75,9 @@ class WorkerSide:
         # The step's hand-over pays for nothing but the bytes: read-done messages and telemetry
         # go out in get_finished (end of the step) through progress().
         self.barrier = LoadBarrier(self.endpoint, settle=False)
+        if p.serving_rank and self.opts.cache_events.events and self.endpoint.items is not None:
+            self.pool_events = PoolEvents(make_publisher(self.opts.cache_events, self.opts, p, S.MEDIUM_POOL))
+            self.endpoint.items.listener = self.pool_events
         logger.info("NixlECConnector %s: %s pool of %.1f MiB on %s%s", cfg.name,
                     self.endpoint.pool.arena.mem_type, p.pool_bytes / 2**20, p.device,
                     f", serving on {self.endpoint.address}" if self.endpoint.address else "")
@@ -136,6 +142,8 @@ class WorkerSide:
         the pool. vLLM >= 0.32 calls this before the encoder runs (``start_save_caches``); older
         ones at the end of the step, from the cache ``save_caches`` was last handed (the same
         dict every step: the model runner's)."""
+        if self.pool_events is not None:
+            self.pool_events.learn(meta.modalities)  # (the items this step publishes)
         cache = self._producer_cache
         if not self.place.serving_rank or self.endpoint is None or not meta.publish or cache is None:
             return
@@ -350,6 +358,9 @@ class WorkerSide:
         if self._reports is not None:
             self._reports.close()
             self._reports = None
+        if self.pool_events is not None:
+            self.pool_events.close()
+            self.pool_events = None
         if self.endpoint is not None:
             self.endpoint.close()
             self.endpoint = None

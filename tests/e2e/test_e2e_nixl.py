@@ -131,7 +131,8 @@ def nixl(baseline: Baseline, tiny_model: str, tmp_path_factory: pytest.TempPathF
 
     workdir = tmp_path_factory.mktemp("nixl")
     base = free_port_block(8)  # proxy, encoder0, encoder1, pd0, encoder-corrupt, proxy11, 2 meta proxies
-    cfg = LaunchConfig(model=tiny_model, num_encoders=2, num_pd=1, port=base, base_port=base + 1,
+    # (events off: this module is not about them, tests/e2e/test_e2e_cache_routing.py is)
+    cfg = LaunchConfig(model=tiny_model, events=False, num_encoders=2, num_pd=1, port=base, base_port=base + 1,
                        connector="NixlECConnector", ec_base_port=free_port_block(32), ec_port_stride=8,
                        ec_buffer_size=POOL_BYTES, ec_buffer_device="cpu", vllm_args=VLLM_ARGS,
                        log_dir=workdir / "logs", env=dict(BASE_ENV), startup_timeout_s=STARTUP_TIMEOUT_S,

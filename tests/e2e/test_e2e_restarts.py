@@ -158,7 +158,8 @@ def rig(baseline: Baseline, tiny_model: str, tmp_path_factory: pytest.TempPathFa
 
     workdir = tmp_path_factory.mktemp("restarts")
     base = free_port_block(3)  # proxy, encoder0, pd0
-    cfg = LaunchConfig(model=tiny_model, num_encoders=1, num_pd=1, port=base, base_port=base + 1,
+    # (events off: this module is not about them, tests/e2e/test_e2e_cache_routing.py is)
+    cfg = LaunchConfig(model=tiny_model, events=False, num_encoders=1, num_pd=1, port=base, base_port=base + 1,
                        connector="NixlECConnector", ec_base_port=free_port_block(16), ec_port_stride=8,
                        ec_buffer_size=64 << 20, ec_buffer_device="cpu", vllm_args=list(COMMON_VLLM_ARGS),
                        log_dir=workdir / "logs", env=dict(BASE_ENV), startup_timeout_s=STARTUP_TIMEOUT_S,
