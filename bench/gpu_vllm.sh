@@ -7,6 +7,7 @@
 #   bash bench/gpu_vllm.sh e2e          ec-nixl bench e2e (tiny Qwen2-VL: colocated vs E -> PD, 22 requests,
 #                                       the PD's vision tower corrupted), then the race rows of
 #                                       scripts/check_guards.py against it (~6 min on an H100)
+#   bash bench/gpu_vllm.sh micro        ec-nixl bench of one 9.8 MB item on this GPU (what serve's PD load compares with)
 #   bash bench/gpu_vllm.sh serve TAG    ec-nixl bench serve, Qwen2.5-VL-7B's shapes (dummy weights), 1024x1024
 #                                       images: colocated, ECExample (its files on this host's disk), NixlEC
 #                                       standard flow; concurrency 1,4,8 x 1,2 images; one round (~7 min);
@@ -51,15 +52,31 @@ e2e)
       --encoder-vllm-args="$E_ARGS" 2>&1 | tee "$OUT/e2e_log.txt"
   rc=${PIPESTATUS[0]}
   el "exit $rc"
+  [ -f "$OUT/e2e.json" ] && cp "$OUT/e2e.json" /tmp/e2e/reference.json  # (a later RACE_ONLY=1 call's $OUT is empty)
   # The race rows: each runs the same check against a copy whose load barrier is broken (eager, to
-  # save the compile); the run above is their baseline, so they run only if it passed.
+  # save the compile), with the run above as baseline and reference: its colocated answers and model
+  # (--reference: no colocated server per row). A row is caught only by wrong answers (the test
+  # asserts token identity alone); race_ROW.json says how many differed and how many failed.
   [ "$rc" -eq 0 ] || [ "${RACE_ONLY:-0}" = 1 ] || { el "race rows not run: the unbroken e2e did not pass"; exit "$rc"; }
-  el "check_guards --marker gpu -k race"
-  EC_NIXL_E2E_ARGS="--encoder-vllm-args='$E_ARGS' --vllm-args='--max-model-len 2048 --max-num-seqs 8 --dtype bfloat16 --enforce-eager --limit-mm-per-prompt {\"image\":4,\"video\":0}'" \
-  EC_NIXL_E2E_REPORT="$OUT/race_report.json" \
-    timeout -k 10 ${RACE_TIMEOUT:-250} "$PY" scripts/check_guards.py --marker gpu -k "${RACE:-race}" --no-baseline --timeout 200 \
-      2>&1 | tee "$OUT/race_log.txt"
-  el "exit ${PIPESTATUS[0]}"
+  race_row() {  # FILTER TAG [extra bench e2e args]: one row of scripts/check_guards.py
+    el "check_guards --marker gpu -k $1 ($2)"
+    EC_NIXL_E2E_ARGS="--model /tmp/e2e/tiny-vl --reference /tmp/e2e/reference.json --encoder-vllm-args='$E_ARGS' --vllm-args='--max-model-len 2048 --max-num-seqs 8 --dtype bfloat16 --enforce-eager --limit-mm-per-prompt {\"image\":4,\"video\":0}' ${3:-}" \
+    EC_NIXL_E2E_REPORT="$OUT/race_$2.json" \
+      timeout -k 10 ${RACE_TIMEOUT:-200} "$PY" scripts/check_guards.py --marker gpu -k "$1" --no-baseline --timeout 180 \
+        2>&1 | tee -a "$OUT/race_log.txt"
+    local r=${PIPESTATUS[0]}
+    "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); q=d['requests']
+print(f'  {sys.argv[2]}: {sum(not r[\"equal\"] and not r[\"error\"] for r in q)} of {len(q)} answers differ, {sum(bool(r[\"error\"]) for r in q)} failed; delay_push_ms {d[\"info\"].get(\"delay_push_ms\")}')" \
+      "$OUT/race_$2.json" "$2" 2>/dev/null || echo "  $2: no report"
+    el "exit $r"
+    return "$r"
+  }
+  left() { [ $(( $(date +%s) - T0 )) -lt "${1}" ]; }
+  # WRITE (the mode of a shared GPU): landed when the push is asked for. If the tiny model's WRITE
+  # lands before vLLM's gather reads anyway, the row runs again with E posting each WRITE 50 ms late.
+  race_row race-write write || { left 400 && race_row race-write write-delayed \
+      "--delay-push-ms ${RACE_DELAY_MS:-50} --extra-config '{\"native_handoff\": false}'"; }
+  left 470 && race_row race-read read
   ;;
 serve)
   TAG=${2:-r0}
@@ -71,11 +88,20 @@ serve)
       --vllm-args "--max-model-len 4096 --max-num-seqs 16 --max-num-batched-tokens 8192 --enforce-eager --dtype bfloat16 --limit-mm-per-prompt {\"image\":2,\"video\":0}" \
       --colocated-vllm-args "--gpu-memory-utilization 0.85" \
       --encoder-vllm-args "--gpu-memory-utilization 0.15 $E_ARGS" --pd-vllm-args "--gpu-memory-utilization 0.7" \
-      --port 18000 --json "$OUT/serve_$TAG.json" 2>&1 | tee "$OUT/serve_${TAG}_log.txt"
+      --pool-mb ${POOL_MB:-1024} --port 18000 --json "$OUT/serve_$TAG.json" 2>&1 | tee "$OUT/serve_${TAG}_log.txt"
+  el "exit ${PIPESTATUS[0]}"
+  ;;
+micro)
+  # ec-nixl bench on this GPU, one 9.8 MB item (a 1024x1024 image on Qwen2.5-VL-7B): what the PD's
+  # load inside vLLM (serve's "PD xfer") is compared with
+  info
+  el "ec-nixl bench --sizes 9.8M"
+  timeout -k 10 ${MICRO_TIMEOUT:-120} "$PY" -m ec_nixl.cli bench --sizes 9.8M --items 0 --paths ours-read,ours-write,raw-nixl-read,raw-nixl-write \
+      --idle-s 0 --budget-s 1 --json "$OUT/micro.json" 2>&1 | tee "$OUT/micro_log.txt"
   el "exit ${PIPESTATUS[0]}"
   ;;
 *)
-  echo "usage: bash bench/gpu_vllm.sh {e2e|serve TAG}" >&2
+  echo "usage: bash bench/gpu_vllm.sh {e2e|serve TAG|micro}" >&2
   exit 2
   ;;
 esac

@@ -116,6 +116,21 @@ def _hog_gil(seconds: float) -> float:
     return time.monotonic() - t0
 
 
+def _delay_pushes(seconds: float) -> None:
+    """FAULT INJECTION: ``ec-nixl bench e2e``'s EC_NIXL_FAULT_DELAY_PUSH_MS (its sitecustomize's
+    import hook cannot apply here: the fork server imported ec_nixl before this env was set), before
+    the endpoint (whose loop keeps the pusher's ``poll``) exists."""
+    import importlib.util
+
+    import ec_nixl.pusher
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "ec_nixl", "bench", "faults", "sitecustomize.py")
+    spec = importlib.util.spec_from_file_location("ec_nixl_bench_faults", path)
+    faults = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(faults)
+    faults._delay_pushes(ec_nixl.pusher, seconds)
+
+
 def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
     os.environ.update(env)
     if env.get("EC_NIXL_TEST_NETNS"):
@@ -126,6 +141,8 @@ def _serve(conn, cfg_kwargs: dict, env: dict) -> None:
     from ec_nixl.endpoint import Endpoint
     from ec_nixl.tensors import Ready
 
+    if env.get("EC_NIXL_FAULT_DELAY_PUSH_MS"):
+        _delay_pushes(float(env["EC_NIXL_FAULT_DELAY_PUSH_MS"]) / 1e3)
     dev = cfg_kwargs.get("device", "cpu")
     if dev.startswith("cuda"):
         torch.cuda.set_device(torch.device(dev).index or 0)

@@ -625,3 +625,26 @@ def test_nixl_calls_move_the_bytes_either_way(via):
     h.release()
     assert state == "DONE"
     assert torch.equal(buf[2 * block:], buf[:block]) and not buf[block:2 * block].any()
+
+
+def test_delayed_push_fault_slows_the_write_and_the_barrier_waits(make_producer, make_consumer, device):
+    """``ec-nixl bench e2e --delay-push-ms`` (the fault behind the race rows' slow transfer): the
+    producer posts a WRITE it is asked for that much later. The barrier waits it out and hands over
+    the producer's bytes; the push sits queued at the producer meanwhile."""
+    from ec_nixl.states import TicketState
+
+    delay = 0.4
+    # (native_handoff off: a push the publish starts natively is not the Python pusher's)
+    prod = make_producer(native_handoff=False, env={"EC_NIXL_FAULT_DELAY_PUSH_MS": str(delay * 1e3)})
+    cons = make_consumer(mode="write")
+    spec = ("slow", (256, 512), "float32", 7)
+    descs = prod.call("publish", [spec])
+    assert cons.hold(prod.address, ["warm-up"], timeout=30)["warm-up"].status == "MISSING"  # link up first
+    t0 = time.monotonic()
+    tickets = cons.load(refs_for(prod, descs))
+    time.sleep(delay / 2)
+    assert tickets[0].state is not TicketState.LANDED, "landed before the delayed WRITE was posted"
+    out = LoadBarrier(cons).wait(tickets)
+    waited = time.monotonic() - t0
+    assert waited >= delay * 0.9, f"the WRITE landed after {waited:.3f}s: the delay did not apply"
+    check(out, [spec], device)

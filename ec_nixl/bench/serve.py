@@ -179,6 +179,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-shape", choices=("qwen2.5-vl-7b",), default=None,
                    help="build that model's configuration and tokenizer under --out (no weights) and serve it "
                         "with --load-format dummy")
+    p.add_argument("--pool-mb", type=int, default=POOL_BYTES >> 20,
+                   help="ec_buffer_size of NixlEC and ECMooncake instances, MiB (a 1024x1024 image on Qwen2.5-VL-7B "
+                        "takes 9.8 MB: concurrency 8 x 2 images in flight at E and PD need ~160 MB)")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="run nothing: summarize these runs' --json files as one run (rounds renumbered)")
     p.add_argument("--port", type=int, default=18000, help="first port (each deployment uses a block of 100)")
@@ -214,7 +217,7 @@ def _root() -> Path:
 
 @contextmanager
 def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[str],
-               role_args: Optional[dict[str, list[str]]] = None) -> Iterator[dict]:
+               role_args: Optional[dict[str, list[str]]] = None, pool_bytes: int = POOL_BYTES) -> Iterator[dict]:
     """Start ``name``, wait until it serves, yield its URLs; stop everything on the way out
     (``name`` may carry a shape, ``nixl-cache:2x2``: ``split_shape``). ``role_args``: flags per role
     ("colocated", "encoder", "pd"), after ``vllm_args``."""
@@ -253,7 +256,7 @@ def deployment(name: str, model: str, port: int, log_dir: Path, vllm_args: list[
     cfg = LaunchConfig(model=model, connector=CONNECTOR[name], port=port, base_port=port + 10,
                        connector_module="ec_nixl.vllm" if name.startswith("nixl") and not plugin_registered() else None,
                        ec_base_port=port + 50, vllm_args=vllm_args, log_dir=log_dir, env=env,
-                       ec_buffer_device=None if cuda else "cpu", ec_buffer_size=POOL_BYTES,
+                       ec_buffer_device=None if cuda else "cpu", ec_buffer_size=pool_bytes,
                        proxy_args=proxy_args, extra_config=extra, startup_timeout_s=900.0,
                        role_vllm_args={r: role_args[r] for r in ("encoder", "pd") if role_args.get(r)},
                        num_encoders=n_e, num_pd=n_pd, events=name == "nixl-cache")
@@ -814,7 +817,8 @@ def main(argv: Optional[list] = None) -> int:
             tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"r{rnd}-{d}")  # a folder name (d may carry @key=value)
             t0 = time.monotonic()
             try:
-                with deployment(d, model, args.port + 100 * i, args.out / tag, vllm_args, role_args) as urls:
+                with deployment(d, model, args.port + 100 * i, args.out / tag, vllm_args, role_args,
+                                args.pool_mb << 20) as urls:
                     before, threads_before = cpu_seconds(urls["procs"]), thread_seconds(urls["procs"])
                     got = drive(args, model, urls, tag, rnd, args.out)
                     cpu = {k: round(v - before[k], 3) for k, v in cpu_seconds(urls["procs"]).items() if k in before}
@@ -836,6 +840,8 @@ def main(argv: Optional[list] = None) -> int:
                 print(f"  {tag} images={r['images']} conc={r['concurrency']}: TTFT p50 {_r(r['ttft_p50_ms'])} "
                       f"p99 {_r(r['ttft_p99_ms'])} ms, {_r(r['req_s'])} req/s, failed {r['failed']}", flush=True)
             print(f"  {tag}: {time.monotonic() - t0:.0f} s", flush=True)
+            if args.json:  # what ran so far survives a run stopped by its time limit (--merge reads it)
+                _write(args, rows, [], phases, quiet=True)
     summary = report(rows, phases, deps, args.reference)
     _write(args, rows, summary, phases)
     failed = sum(r["failed"] or 0 for r in rows)
@@ -856,12 +862,14 @@ def pd_status(urls: dict) -> dict[str, Any]:
     return out
 
 
-def _write(args, rows: list[dict], summary: list[dict], phases: list[dict]) -> None:
+def _write(args, rows: list[dict], summary: list[dict], phases: list[dict], quiet: bool = False) -> None:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"schema": SCHEMA, "args": {k: (str(v) if isinstance(v, Path) else v)
                                                                            for k, v in vars(args).items()},
                                                "rows": rows, "summary": summary, "phases": phases}, indent=1))
+        if quiet:
+            return
         print(f"wrote {args.json}")
     if args.plot:
         plot(args.plot, summary)

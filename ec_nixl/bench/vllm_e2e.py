@@ -146,9 +146,17 @@ def parser() -> argparse.ArgumentParser:
                    help="one GPU: --gpu-memory-utilization of colocated, E, PD (default 0.25,0.15,0.25)")
     p.add_argument("--vllm-args", default=None, help="flags for every instance (default: small settings)")
     p.add_argument("--encoder-vllm-args", default="", help="flags for E only (e.g. --mm-encoder-only on vLLM 0.26)")
-    p.add_argument("--extra-config", default="{}", type=json.loads,
-                   help="JSON merged into ec_connector_extra_config of E and PD (e.g. {\"mode\": \"read\"}); "
-                        f"announce_lease_s defaults to {LEASE_S:.0f} here (what the drain check waits for)")
+    p.add_argument("--extra-config", default=[], type=json.loads, action="append",
+                   help="JSON merged into ec_connector_extra_config of E and PD (e.g. {\"mode\": \"read\"}; "
+                        f"repeatable, later keys win); announce_lease_s defaults to {LEASE_S:.0f} here (what the "
+                        "drain check waits for)")
+    p.add_argument("--reference", type=Path, default=None,
+                   help="an earlier run's --json report with the same --model: its colocated answers are the "
+                        "reference and no colocated server starts (the corruption check is then not run); what "
+                        "the race rows of scripts/check_guards.py use to save a start-up each")
+    p.add_argument("--delay-push-ms", type=float, default=0.0,
+                   help="fault injection: E posts each WRITE it is asked for this much later (slows the transfer "
+                        "on purpose; faults/sitecustomize.py)")
     p.add_argument("--json", default=None, help="write the report here")
     return p
 
@@ -171,29 +179,41 @@ def run(args, rep: Report) -> Report:
     env = _env(_root(), cpu=device == "cpu")
     pd_env = {"EC_NIXL_FAULT_CORRUPT_VISION": "1",
               "PYTHONPATH": os.pathsep.join([str(FAULTS), env["PYTHONPATH"]])}
+    role_env = {"pd": pd_env}
+    if args.delay_push_ms > 0:
+        role_env["encoder"] = {"EC_NIXL_FAULT_DELAY_PUSH_MS": str(args.delay_push_ms),
+                               "PYTHONPATH": os.pathsep.join([str(FAULTS), env["PYTHONPATH"]])}
+    extra = {"announce_lease_s": LEASE_S}
+    for e in args.extra_config:
+        extra.update(e)
+    reference = _reference(args.reference) if args.reference else None
     logs = args.out / "logs"
     import ec_nixl
 
     rep.info = {"device": device, "model": model, "vllm_args": common, "per_role": per_role,
-                "extra_config": {"announce_lease_s": LEASE_S, **args.extra_config},
-                "colocated_args": colocated_args, "ec_nixl": ec_nixl.__file__, "vllm": _vllm_version(),
-                "plugin": plugin_registered()}
+                "extra_config": extra, "colocated_args": colocated_args, "ec_nixl": ec_nixl.__file__,
+                "vllm": _vllm_version(), "plugin": plugin_registered(),
+                "reference": str(args.reference) if args.reference else "a colocated server",
+                "delay_push_ms": args.delay_push_ms}
     print(f"ec-nixl bench e2e: {json.dumps(rep.info)}", flush=True)
     cfg = LaunchConfig(model=model, num_encoders=1, num_pd=1, port=args.port, base_port=args.port + 1,
                        connector="NixlECConnector", connector_module=None if rep.info["plugin"] else "ec_nixl.vllm",
                        ec_base_port=args.port + 20, ec_buffer_size=args.pool_mb << 20, ec_buffer_device=device,
-                       vllm_args=common, role_vllm_args=per_role, role_env={"pd": pd_env}, log_dir=logs, env=env,
-                       extra_config={"announce_lease_s": LEASE_S, **args.extra_config}, startup_timeout_s=900.0)
-    colocated = Instance(name="colocated", role="baseline", port=args.port + 10, log_path=logs / "colocated.log",
-                         argv=vllm_argv(model, args.port + 10, colocated_args, None),
-                         env=instance_env(dict(os.environ), None, None, env))
+                       vllm_args=common, role_vllm_args=per_role, role_env=role_env, log_dir=logs, env=env,
+                       extra_config=extra, startup_timeout_s=900.0)
+    colocated = None if reference is not None else \
+        Instance(name="colocated", role="baseline", port=args.port + 10, log_path=logs / "colocated.log",
+                 argv=vllm_argv(model, args.port + 10, colocated_args, None),
+                 env=instance_env(dict(os.environ), None, None, env))
     t0 = time.monotonic()
     with Supervisor() as sup, Cluster(cfg) as cluster:
-        sup.spawn(colocated)
-        if device == "cuda":  # one GPU: one start-up at a time (Cluster.start says why)
-            sup.wait_healthy([colocated], 900.0)
+        if colocated is not None:
+            sup.spawn(colocated)
+            if device == "cuda":  # one GPU: one start-up at a time (Cluster.start says why)
+                sup.wait_healthy([colocated], 900.0)
         cluster.start()
-        sup.wait_healthy([colocated], 900.0)
+        if colocated is not None:
+            sup.wait_healthy([colocated], 900.0)
         cluster.wait_ready()
         rep.info["startup_s"] = round(time.monotonic() - t0, 1)
         e, pd = cluster.instances
@@ -201,13 +221,30 @@ def run(args, rep: Report) -> Report:
         pd_addr = f"127.0.0.1:{pd.ec_transfer_config['ec_port']}"
         print(f"  all healthy after {rep.info['startup_s']} s; E {e_addr}, PD {pd_addr}", flush=True)
         before = status(pd_addr).get("connector", {}).get("counters", {})
-        _serve_and_compare(rep, model, colocated.url, cluster.proxy_url)
+        want = reference or (lambda i, body: token_ids(colocated.url, body))
+        _serve_and_compare(rep, model, want, cluster.proxy_url)
         _check_transfers(rep, e_addr, pd_addr, before, pd.url, device)
-        _check_corruption(rep, model, colocated.url, pd.url)
+        if colocated is not None:
+            _check_corruption(rep, model, colocated.url, pd.url)
+        else:
+            rep.info["corruption_check"] = "not run: no colocated server (--reference)"
     return rep
 
 
-def _serve_and_compare(rep: Report, model: str, colocated: str, proxy: str) -> None:
+def _reference(path: Path) -> Callable[[int, dict], list[int]]:
+    """The colocated answers of an earlier report, by request index (the plan is fixed)."""
+    done = json.loads(Path(path).read_text())
+    answers = {r["i"]: r["colocated"] for r in done.get("requests", []) if r.get("colocated")}
+    if len(answers) < len(requests_plan("m")):
+        raise SystemExit(f"ec-nixl bench e2e: --reference {path} has colocated answers for {len(answers)} "
+                         f"requests, not all {len(requests_plan('m'))}: run it without --reference first")
+
+    def want(i: int, body: dict) -> list[int]:
+        return answers[i]
+    return want
+
+
+def _serve_and_compare(rep: Report, model: str, want_of: Callable[[int, dict], list[int]], proxy: str) -> None:
     plan = requests_plan(model)
     same = 0
     for i, (kind, body) in enumerate(plan):
@@ -218,7 +255,7 @@ def _serve_and_compare(rep: Report, model: str, colocated: str, proxy: str) -> N
         except Exception as e:  # a failed request is a failed check, not a crash of the run
             got, err = [], str(e)[:300]
         ms = (time.perf_counter() - t0) * 1e3
-        want = token_ids(colocated, body)
+        want = want_of(i, body)
         equal = got == want and not err
         same += equal
         rep.requests.append({"i": i, "kind": kind, "images": images_of(body), "equal": equal, "ms": round(ms, 1),
