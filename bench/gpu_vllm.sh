@@ -58,12 +58,14 @@ e2e)
   # (--reference: no colocated server per row). A row is caught only by wrong answers (the test
   # asserts token identity alone); race_ROW.json says how many differed and how many failed.
   [ "$rc" -eq 0 ] || [ "${RACE_ONLY:-0}" = 1 ] || { el "race rows not run: the unbroken e2e did not pass"; exit "$rc"; }
-  race_row() {  # FILTER TAG [extra bench e2e args]: one row of scripts/check_guards.py
+  race_row() {  # FILTER TAG [extra bench e2e args]: one row of scripts/check_guards.py, in what is left of CALL_S
+    local budget=$(( ${CALL_S:-590} - ($(date +%s) - T0) ))
+    [ "$budget" -ge 100 ] || { el "race row $2 not run: ${budget} s left of this call"; return 3; }
     el "check_guards --marker gpu -k $1 ($2)"
-    EC_NIXL_E2E_ARGS="--model /tmp/e2e/tiny-vl --reference /tmp/e2e/reference.json --encoder-vllm-args='$E_ARGS' --vllm-args='--max-model-len 2048 --max-num-seqs 8 --dtype bfloat16 --enforce-eager --limit-mm-per-prompt {\"image\":4,\"video\":0}' ${3:-}" \
+    EC_NIXL_E2E_ARGS="--model /tmp/e2e/tiny-vl --reference /tmp/e2e/reference.json --encoder-vllm-args='$E_ARGS' --vllm-args='--max-model-len 2048 --max-num-seqs 8 --dtype bfloat16 --enforce-eager --limit-mm-per-prompt {\"image\":4,\"video\":0}' --extra-config '{\"announce_lease_s\": 5}' ${3:-}" \
     EC_NIXL_E2E_REPORT="$OUT/race_$2.json" \
-      timeout -k 10 ${RACE_TIMEOUT:-200} "$PY" scripts/check_guards.py --marker gpu -k "$1" --no-baseline --timeout 180 \
-        2>&1 | tee -a "$OUT/race_log.txt"
+      timeout -k 10 $(( budget < ${RACE_TIMEOUT:-200} ? budget : ${RACE_TIMEOUT:-200} )) "$PY" scripts/check_guards.py \
+        --marker gpu -k "$1" --no-baseline --timeout 180 2>&1 | tee -a "$OUT/race_log.txt"
     local r=${PIPESTATUS[0]}
     "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); q=d['requests']
 print(f'  {sys.argv[2]}: {sum(not r[\"equal\"] and not r[\"error\"] for r in q)} of {len(q)} answers differ, {sum(bool(r[\"error\"]) for r in q)} failed; delay_push_ms {d[\"info\"].get(\"delay_push_ms\")}')" \
@@ -71,12 +73,11 @@ print(f'  {sys.argv[2]}: {sum(not r[\"equal\"] and not r[\"error\"] for r in q)}
     el "exit $r"
     return "$r"
   }
-  left() { [ $(( $(date +%s) - T0 )) -lt "${1}" ]; }
   # WRITE (the mode of a shared GPU): landed when the push is asked for. If the tiny model's WRITE
   # lands before vLLM's gather reads anyway, the row runs again with E posting each WRITE 50 ms late.
-  race_row race-write write || { left 400 && race_row race-write write-delayed \
-      "--delay-push-ms ${RACE_DELAY_MS:-50} --extra-config '{\"native_handoff\": false}'"; }
-  left 470 && race_row race-read read
+  race_row race-write write || race_row race-write write-delayed \
+      "--delay-push-ms ${RACE_DELAY_MS:-50} --extra-config '{\"native_handoff\": false}'"
+  race_row race-read read
   ;;
 serve)
   TAG=${2:-r0}
