@@ -6,7 +6,9 @@
 #
 #   bash bench/gpu_vllm.sh e2e          ec-nixl bench e2e (tiny Qwen2-VL: colocated vs E -> PD, 22 requests,
 #                                       the PD's vision tower corrupted), then the race rows of
-#                                       scripts/check_guards.py against it (~6 min on an H100)
+#                                       scripts/check_guards.py against it: WRITE, WRITE with E's posts
+#                                       50 ms late (only where the plain row is not caught), READ; each
+#                                       in what is left of CALL_S=590 s (~5 min + ~2 min a row on an H100)
 #   bash bench/gpu_vllm.sh micro        ec-nixl bench of one 9.8 MB item on this GPU (what serve's PD load compares with)
 #   bash bench/gpu_vllm.sh serve TAG    ec-nixl bench serve, Qwen2.5-VL-7B's shapes (dummy weights), 1024x1024
 #                                       images: colocated, ECExample (its files on this host's disk), NixlEC
@@ -14,7 +16,8 @@
 #                                       run it again with another TAG for more rounds, then merge them:
 #                                       ec-nixl bench serve --merge serve_*.json
 # Everything goes to $OUT (default /tmp/ec-nixl-out): e2e.json, e2e_log.txt, race_log.txt,
-# serve_TAG.json, serve_TAG_log.txt.
+# race_ROW.json, micro.json, micro_log.txt, serve_TAG.json, serve_TAG_log.txt. DEPLOYMENTS, PROMPTS,
+# POOL_MB and SERVE_TIMEOUT change serve's.
 set -uo pipefail
 OUT=${OUT:-/tmp/ec-nixl-out}
 mkdir -p "$OUT"
