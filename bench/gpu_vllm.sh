@@ -31,6 +31,9 @@ el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 # Encoders load the vision tower only and keep no prefix cache (they have no KV cache): vLLM 0.26
 # asks for both (its ECExample encoder fails at start with prefix caching on); 0.32+ does it itself.
 E_ARGS="--mm-encoder-only --no-enable-prefix-caching"
+# The race rows' settings (bench e2e's GPU defaults, eager: no compile, no graphs to capture); the
+# e2e itself too with E2E_EAGER=1 (a minute sooner; its answers are then the rows' exact reference).
+EAGER_ARGS='--max-model-len 2048 --max-num-seqs 8 --dtype bfloat16 --enforce-eager --limit-mm-per-prompt {"image":4,"video":0}'
 
 # The plugin's entry point, so that every vLLM process loads it (bench serve's request traces come
 # with it): where it is not installed, the package (metadata and a copy) goes to /tmp/ecsite, AFTER
@@ -49,10 +52,10 @@ info() {
 case "${1:-e2e}" in
 e2e)
   info
-  el "ec-nixl bench e2e (CUDA graphs on)"
+  el "ec-nixl bench e2e ($([ -n "${E2E_EAGER:-}" ] && echo "eager: E2E_EAGER" || echo "CUDA graphs on"))"
   [ "${RACE_ONLY:-0}" = 1 ] && el "(RACE_ONLY=1: the race rows alone, against an earlier e2e as their baseline)" ||
   timeout -k 10 330 "$PY" -m ec_nixl.cli bench e2e --out /tmp/e2e --json "$OUT/e2e.json" \
-      --encoder-vllm-args="$E_ARGS" 2>&1 | tee "$OUT/e2e_log.txt"
+      --encoder-vllm-args="$E_ARGS" ${E2E_EAGER:+--vllm-args="$EAGER_ARGS"} 2>&1 | tee "$OUT/e2e_log.txt"
   rc=${PIPESTATUS[0]}
   el "exit $rc"
   [ -f "$OUT/e2e.json" ] && cp "$OUT/e2e.json" /tmp/e2e/reference.json  # (a later RACE_ONLY=1 call's $OUT is empty)
@@ -65,7 +68,7 @@ e2e)
     local budget=$(( ${CALL_S:-590} - ($(date +%s) - T0) ))
     [ "$budget" -ge 100 ] || { el "race row $2 not run: ${budget} s left of this call"; return 3; }
     el "check_guards --marker gpu -k $1 ($2)"
-    EC_NIXL_E2E_ARGS="--model /tmp/e2e/tiny-vl --reference /tmp/e2e/reference.json --encoder-vllm-args='$E_ARGS' --vllm-args='--max-model-len 2048 --max-num-seqs 8 --dtype bfloat16 --enforce-eager --limit-mm-per-prompt {\"image\":4,\"video\":0}' --extra-config '{\"announce_lease_s\": 5}' ${3:-}" \
+    EC_NIXL_E2E_ARGS="--model /tmp/e2e/tiny-vl --reference /tmp/e2e/reference.json --encoder-vllm-args='$E_ARGS' --vllm-args='$EAGER_ARGS' --extra-config '{\"announce_lease_s\": 5}' ${3:-}" \
     EC_NIXL_E2E_REPORT="$OUT/race_$2.json" \
       timeout -k 10 $(( budget < ${RACE_TIMEOUT:-200} ? budget : ${RACE_TIMEOUT:-200} )) "$PY" scripts/check_guards.py \
         --marker gpu -k "$1" --no-baseline --timeout 180 2>&1 | tee -a "$OUT/race_log.txt"
