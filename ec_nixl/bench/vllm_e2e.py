@@ -186,7 +186,7 @@ def run(args, rep: Report) -> Report:
     extra = {"announce_lease_s": LEASE_S}
     for e in args.extra_config:
         extra.update(e)
-    reference = _reference(args.reference) if args.reference else None
+    reference = _reference(args.reference, model) if args.reference else None
     logs = args.out / "logs"
     import ec_nixl
 
@@ -231,17 +231,19 @@ def run(args, rep: Report) -> Report:
     return rep
 
 
-def _reference(path: Path) -> Callable[[int, dict], list[int]]:
-    """The colocated answers of an earlier report, by request index (the plan is fixed)."""
+def _reference(path: Path, model: str) -> Callable[[int, dict], list[int]]:
+    """The colocated answers of an earlier report of the same model, by request index (the plan
+    is fixed); ValueError where the report cannot be that reference."""
     done = json.loads(Path(path).read_text())
+    if done.get("info", {}).get("model") != model:
+        raise ValueError(f"--reference {path} answered model {done.get('info', {}).get('model')!r}, "
+                         f"this run serves {model!r}: give it --model of that run")
     answers = {r["i"]: r["colocated"] for r in done.get("requests", []) if r.get("colocated")}
-    if len(answers) < len(requests_plan("m")):
-        raise SystemExit(f"ec-nixl bench e2e: --reference {path} has colocated answers for {len(answers)} "
-                         f"requests, not all {len(requests_plan('m'))}: run it without --reference first")
-
-    def want(i: int, body: dict) -> list[int]:
-        return answers[i]
-    return want
+    need = len(requests_plan(model))
+    if len(answers) < need:
+        raise ValueError(f"--reference {path} has colocated answers for {len(answers)} of the {need} "
+                         f"requests: run it once without --reference first")
+    return lambda i, body: answers[i]
 
 
 def _serve_and_compare(rep: Report, model: str, want_of: Callable[[int, dict], list[int]], proxy: str) -> None:
