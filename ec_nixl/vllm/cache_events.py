@@ -114,7 +114,6 @@ class SchedulerEvents:
         or to be encoded by this engine in this step."""
         f = request.mm_features[index]
         h, loaded = f.identifier, load is not None
-        self.modality.note(h, f.modality)
         seen = self._seen(request)
         first = h not in seen.allocated
         seen.allocated.add(h)
@@ -125,22 +124,26 @@ class SchedulerEvents:
             logger.info("request %s: item %s was routed here as held in the encoder cache, but is %s",
                         request.request_id, h, "loaded" if loaded else "encoded")
         if self.publisher is not None:
+            self.modality.note(h, f.modality)
             desc = load.desc if load is not None else self.facts.describe(f)  # (the bytes vLLM's cache holds)
             self.publisher.stored(h, f.modality, desc.nbytes if desc is not None else 0, S.MEDIUM_CACHE)
 
     def step(self, scheduler_output, publish: list[str]) -> tuple[list[str], dict[str, str]]:
         """The end of a scheduling step: what vLLM evicted goes out with what it took. Returns the
-        step's ``publish`` list with the modality of each (a producer's pool events name it)."""
-        if self.publisher is not None:
-            for h in getattr(scheduler_output, "free_encoder_mm_hashes", None) or ():
-                self.publisher.removed(h, S.MEDIUM_CACHE)
-            self.publisher.flush()
+        step's ``publish`` list with the modality of each (a producer's pool events name it; none
+        without events: the modality map is kept only where events are on)."""
+        if self.publisher is None:
+            return publish, {}
+        for h in getattr(scheduler_output, "free_encoder_mm_hashes", None) or ():
+            self.publisher.removed(h, S.MEDIUM_CACHE)
+        self.publisher.flush()
         return publish, {h: self.modality.get(h) for h in publish}
 
     def finished(self, request) -> None:
         """Count what ``request``'s items cost (only those it got to: it may end before)."""
-        for f in request.mm_features:
-            self.modality.note(f.identifier, f.modality)
+        if self.publisher is not None:
+            for f in request.mm_features:
+                self.modality.note(f.identifier, f.modality)
         seen = self._reqs.pop(request.request_id, None)
         if seen is None or not seen.needed and not seen.kv_hits:
             return
