@@ -393,15 +393,21 @@ class Proxy:
         # the pull flow does with an encoder failure.
         pd_task.cancel()
         await asyncio.gather(pd_task, return_exceptions=True)
-        if not isinstance(e_error, BackendError) or not self._falls_back(e_error):
-            raise e_error
-        log.warning("%s: %s; the PD encodes it instead", path, e_error)
+        note = self._fall_back(e_error, path, "it")
         pd, first = await first_bytes(body)
-        return url, pd, first, str(e_error)[:300]
+        return url, pd, first, note
 
     def _falls_back(self, e: BackendError) -> bool:
         """An encoder failure the PD covers by encoding itself (``encoder_fallback``; never a 4xx)."""
         return self.cfg.encoder_fallback and not 400 <= e.status < 500
+
+    def _fall_back(self, e: BaseException, where: str, what: str) -> str:
+        """An encoder's failure ``e`` that the PD covers by encoding ``what`` itself: logged, and its
+        note for ``X-EC-Fallback`` returned; any other failure is raised again (every flow's rule)."""
+        if not isinstance(e, BackendError) or not self._falls_back(e):
+            raise e
+        log.warning("%s: %s; the PD encodes %s instead", where, e, what)
+        return str(e)[:300]
 
     async def _post_encoder(self, url: str, path: str, e_body: dict[str, Any], headers: dict[str, str]) -> Any:
         """Send ``e_body`` to encoder ``url``; its answer's top-level ``ec_transfer_params``. An
@@ -495,10 +501,7 @@ class Proxy:
         fallback = []
         for r in results:
             if isinstance(r, BaseException):
-                if not isinstance(r, BackendError) or not self._falls_back(r):
-                    raise r
-                log.warning("%s: %s; the PD encodes its items instead", path, r)
-                fallback.append(str(r)[:300])
+                fallback.append(self._fall_back(r, path, "its items"))
             elif isinstance(r, dict):
                 entries.update(r)
         if not entries:
@@ -553,10 +556,7 @@ class Proxy:
                         # (flow overlap: the first request to each encoder learns its producer)
                         params = await self._encode(request.path, body, headers, e_url)
                     except BackendError as e:
-                        if not self._falls_back(e):
-                            raise
-                        fallback = str(e)[:300]
-                        log.warning("%s %s: %s; the PD encodes it instead", request.method, request.path, e)
+                        fallback = self._fall_back(e, f"{request.method} {request.path}", "it")
                         params = None
                     if params is not None:
                         body, media = pd_body(body, params, self.cfg.pd_media, params)
