@@ -186,10 +186,16 @@ def test_an_encoder_failing_in_a_split_request_leaves_its_items_to_the_pd():
 def test_routing_endpoint_and_config_errors():
     async def check(rig: Rig) -> None:
         await rig.holds("pd0", 2)
-        async with rig.session.get(rig.url + "/ec-nixl/routing") as r:
-            info = await r.json()
+        deadline = time.monotonic() + 10  # (E's publisher, silent, is live once its snapshot or a
+        while True:                        # heartbeat came: on a loaded box after pd0's events)
+            async with rig.session.get(rig.url + "/ec-nixl/routing") as r:
+                info = await r.json()
+            states = [x["state"] for x in info["events"]["sources"]]
+            if states == ["live", "live"] or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
         assert info["route"] == "cache-aware" and info["index_entries"] == 1
-        assert [x["state"] for x in info["events"]["sources"]] == ["live", "live"]
+        assert states == ["live", "live"]
 
     with_rig(check, n_e=1, n_pd=1)
     with pytest.raises(ValueError, match="needs flow 'pull'"):
