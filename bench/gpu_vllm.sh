@@ -33,7 +33,9 @@ el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 E_ARGS="--mm-encoder-only --no-enable-prefix-caching"
 # The race rows' settings (bench e2e's GPU defaults, eager: no compile, no graphs to capture); the
 # e2e itself too with E2E_EAGER=1 (a minute sooner; its answers are then the rows' exact reference).
-EAGER_ARGS='--max-model-len 2048 --max-num-seqs 8 --dtype bfloat16 --enforce-eager --limit-mm-per-prompt {"image":4,"video":0}'
+# The image limit in vLLM's dotted form: these args are shlex-split twice on the way to a race row's
+# servers (EC_NIXL_E2E_ARGS, then --vllm-args), which strips a JSON value's quotes.
+EAGER_ARGS='--max-model-len 2048 --max-num-seqs 8 --dtype bfloat16 --enforce-eager --limit-mm-per-prompt.image 4 --limit-mm-per-prompt.video 0'
 
 # The plugin's entry point, so that every vLLM process loads it (bench serve's request traces come
 # with it): where it is not installed, the package (metadata and a copy) goes to /tmp/ecsite, AFTER
