@@ -83,8 +83,10 @@ print(f'  {sys.argv[2]}: {sum(not r[\"equal\"] and not r[\"error\"] for r in q)}
   }
   # WRITE (the mode of a shared GPU): landed when the push is asked for. If the tiny model's WRITE
   # lands before vLLM's gather reads anyway, the row runs again with E posting each WRITE 50 ms late.
-  race_row race-write write || race_row race-write write-delayed \
-      "--delay-push-ms ${RACE_DELAY_MS:-50} --extra-config '{\"native_handoff\": false}'"
+  # RACE_DELAYED_ONLY=1: the delayed WRITE row alone (a short lease: the one row sure to decide).
+  DELAYED="--delay-push-ms ${RACE_DELAY_MS:-50} --extra-config '{\"native_handoff\": false}'"
+  if [ -n "${RACE_DELAYED_ONLY:-}" ]; then race_row race-write write-delayed "$DELAYED"; exit; fi
+  race_row race-write write || race_row race-write write-delayed "$DELAYED"
   race_row race-read read
   ;;
 serve)
