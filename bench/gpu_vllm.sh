@@ -70,7 +70,10 @@ e2e)
     local budget=$(( ${CALL_S:-590} - ($(date +%s) - T0) ))
     [ "$budget" -ge 100 ] || { el "race row $2 not run: ${budget} s left of this call"; return 3; }
     el "check_guards --marker gpu -k $1 ($2)"
-    EC_NIXL_E2E_ARGS="--model /tmp/e2e/tiny-vl --reference /tmp/e2e/reference.json --encoder-vllm-args='$E_ARGS' --vllm-args='$EAGER_ARGS' --extra-config '{\"announce_lease_s\": 5}' ${3:-}" \
+    # Without an earlier e2e here (RACE_ONLY=1 on a fresh machine) the row builds its own tiny model
+    # and starts its own colocated server: a minute more, the same check.
+    local ref=""; [ -f /tmp/e2e/reference.json ] && ref="--model /tmp/e2e/tiny-vl --reference /tmp/e2e/reference.json"
+    EC_NIXL_E2E_ARGS="$ref --encoder-vllm-args='$E_ARGS' --vllm-args='$EAGER_ARGS' --extra-config '{\"announce_lease_s\": 5}' ${3:-}" \
     EC_NIXL_E2E_REPORT="$OUT/race_$2.json" \
       timeout -k 10 $(( budget < ${RACE_TIMEOUT:-200} ? budget : ${RACE_TIMEOUT:-200} )) "$PY" scripts/check_guards.py \
         --marker gpu -k "$1" --no-baseline --timeout 180 2>&1 | tee -a "$OUT/race_log.txt"
