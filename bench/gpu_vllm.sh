@@ -76,7 +76,7 @@ e2e)
     EC_NIXL_E2E_ARGS="$ref --encoder-vllm-args='$E_ARGS' --vllm-args='$EAGER_ARGS' --extra-config '{\"announce_lease_s\": 5}' ${3:-}" \
     EC_NIXL_E2E_REPORT="$OUT/race_$2.json" \
       timeout -k 10 $(( budget < ${RACE_TIMEOUT:-200} ? budget : ${RACE_TIMEOUT:-200} )) "$PY" scripts/check_guards.py \
-        --marker gpu -k "$1" --no-baseline --timeout 180 2>&1 | tee -a "$OUT/race_log.txt"
+        --marker gpu -k "$1" --no-baseline --timeout $(( ${RACE_TIMEOUT:-200} - 20 )) 2>&1 | tee -a "$OUT/race_log.txt"
     local r=${PIPESTATUS[0]}
     "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); q=d['requests']
 print(f'  {sys.argv[2]}: {sum(not r[\"equal\"] and not r[\"error\"] for r in q)} of {len(q)} answers differ, {sum(bool(r[\"error\"]) for r in q)} failed; delay_push_ms {d[\"info\"].get(\"delay_push_ms\")}')" \
