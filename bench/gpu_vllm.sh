@@ -23,6 +23,9 @@ OUT=${OUT:-/tmp/ec-nixl-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# The checkout by its absolute path first, so that every vLLM process runs its code (and its native
+# hand-off, built below) whatever its working directory.
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 # vLLM 0.26 runs every EC instance on its V1 model runner: the colocated reference too (the same
 # kernels, so greedy tokens can be equal). FlashInfer's sampler kernels are not carried to the lent GPU.
 export VLLM_USE_V2_MODEL_RUNNER=${VLLM_USE_V2_MODEL_RUNNER:-0} VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0}
@@ -45,9 +48,18 @@ if ! "$PY" -c "import sys; from importlib.metadata import entry_points as e; sys
       >/tmp/ecsite.log 2>&1 && export PYTHONPATH="${PYTHONPATH:-}:/tmp/ecsite" || echo "plugin not installed (see /tmp/ecsite.log): no request traces"
 fi
 
+# The native hand-off (E answers and pushes off the GIL while its engine encodes): a few seconds to
+# build where a compiler is; else E runs the Python fallback, and `info` says which ran. (The pack
+# kernel's torch extension needs nvcc and minutes: the Python pack stands in; its copies are few.)
+if ! ls ec_nixl/_handoff*.so >/dev/null 2>&1 && command -v c++ >/dev/null; then
+  c++ -O2 -shared -fPIC -o ec_nixl/_handoff.so csrc/handoff.cpp -lpthread 2>/tmp/handoff_build.log ||
+    echo "native hand-off not built (/tmp/handoff_build.log): Python fallback"
+fi
+
 info() {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
   "$PY" -c "import vllm, torch, nixl; print('vllm', vllm.__version__, '| torch', torch.__version__, '| cuda', torch.cuda.is_available())" 2>&1 | tail -1
+  "$PY" -c "from ec_nixl import handoff, native; lib, why = handoff.load_library(); print('native hand-off:', 'loaded' if lib else why, '| pack:', native.IMPL)" 2>&1 | tail -1
   df -T /tmp | tail -1
 }
 
