@@ -1,10 +1,14 @@
 """``ec-nixl bench e2e --reference``: an earlier report's colocated answers stand in for a colocated
 server (the GPU race rows' saving), so a report that cannot be that reference is refused before
-anything starts, naming why. (The run itself is tests/e2e/test_e2e_vllm_check.py.)"""
+anything starts, naming why; and the GPU race rows' vLLM args (bench/gpu_vllm.sh) survive their way
+to vLLM's parser. (The run itself is tests/e2e/test_e2e_vllm_check.py.)"""
 
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -32,3 +36,29 @@ def test_reference_that_cannot_stand_in_is_refused(tmp_path, model, answered, sa
     path = _report(tmp_path / "r.json", "/m", n if answered is None else answered)
     with pytest.raises(ValueError, match=says):
         _reference(path, model)
+
+
+def _script_value(name: str) -> str:
+    """A variable of bench/gpu_vllm.sh as bash assigns it (only its own line runs)."""
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_vllm.sh"
+    line = next(l for l in script.read_text().splitlines() if l.startswith(f"{name}="))
+    return subprocess.run(["bash", "-c", f'{line}\nprintf %s "${name}"'], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_gpu_race_rows_vllm_args_reach_vllm_intact():
+    """The race rows' vLLM args are shlex-split twice on their way to the servers (the row's
+    EC_NIXL_E2E_ARGS, then bench e2e's --vllm-args): a JSON value lost its quotes there and the
+    H100's servers stopped at argparse. What vLLM's own parser makes of them must be the limit."""
+    arg_utils = pytest.importorskip("vllm.engine.arg_utils")
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from ec_nixl.bench.vllm_e2e import parser
+
+    eager = _script_value("EAGER_ARGS")
+    row = parser().parse_args(shlex.split(f"--vllm-args='{eager}' --extra-config '{{\"announce_lease_s\": 5}}'"))
+    vllm_parser = FlexibleArgumentParser()
+    arg_utils.EngineArgs.add_cli_args(vllm_parser)
+    got = vllm_parser.parse_args(shlex.split(row.vllm_args))
+    assert got.limit_mm_per_prompt == {"image": 4, "video": 0}
+    assert got.enforce_eager and got.max_model_len == 2048
