@@ -17,7 +17,8 @@
 #                                       ec-nixl bench serve --merge serve_*.json
 # Everything goes to $OUT (default /tmp/ec-nixl-out): e2e.json, e2e_log.txt, race_log.txt,
 # race_ROW.json, micro.json, micro_log.txt, serve_TAG.json, serve_TAG_log.txt. DEPLOYMENTS, PROMPTS,
-# POOL_MB and SERVE_TIMEOUT change serve's.
+# POOL_MB and SERVE_TIMEOUT change serve's; E2E_EAGER, CALL_S, RACE_ONLY (the rows alone),
+# RACE_DELAYED_ONLY (the delayed WRITE row alone), RACE_DELAY_MS and RACE_TIMEOUT change e2e's.
 set -uo pipefail
 OUT=${OUT:-/tmp/ec-nixl-out}
 mkdir -p "$OUT"
