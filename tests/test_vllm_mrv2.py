@@ -261,6 +261,79 @@ def test_failed_load_fails_the_request_and_the_engine_goes_on(producer, engine, 
     pd.run_until(lambda: pd.worker.endpoint.pool.stats().used == 0, what="pool empty", timeout=10)
 
 
+def test_failed_loads_placeholder_never_reaches_a_later_request(producer, engine):
+    """FAULT INJECTION as above (the producer drops the item between admission and load): the
+    gather of f1 got a zero placeholder, which vLLM's encoder cache keeps under the item's hash
+    and would serve to the next request of that image without asking the connector. The
+    connector remembers it (ec_nixl/vllm/poisoned.py): a metadata-only request of the image fails,
+    naming it; one with the pixels has it encoded again (MRv2 encodes only what its cache lacks, so
+    the workers drop the placeholder first); after that, the entry is right for everyone."""
+    producer.call("publish", [("spoilt", (ROWS, WIDTH), BF16, 51)])
+    pd = engine(load_timeout_s="2", peer_timeout_s="2")
+    params = params_for(producer.address, [("spoilt", 0)])
+    pd.add(make_request("f1", [("spoilt", 0, 6)], params=params, media=False, max_tokens=2))
+    while not any(m.loaded or m.failed for m in pd.worker_meta):
+        so = pd.scheduler.schedule()
+        meta = so.ec_connector_metadata
+        if meta.loads:
+            producer.call("unpublish_all")
+            for s in meta.loads + meta.prefetch:
+                s.valid_until = 0.0  # no promise: the worker asks and hears MISSING
+        pd.finish_step(so, pd.execute_model(so))
+        assert pd.steps < 500, "never loaded"
+    pd.run_until(lambda: "f1" in pd.finished, what="f1 ended", max_steps=3)
+    assert finish_reason(pd, "f1") == "error" and not pd.rows("f1").any()
+
+    pd.add(make_request("m2", [("spoilt", 0, 6)], params=params, media=False, max_tokens=2))
+    pd.run_until(lambda: "m2" in pd.finished, what="m2 ended", max_steps=5)
+    assert finish_reason(pd, "m2") == "error" and "m2" not in pd.gathered, "never served the placeholder"
+
+    calls = len(pd.model.calls)
+    pd.add(make_request("w3", [("spoilt", 53, 6)], max_tokens=2))
+    pd.run_until(lambda: "w3" in pd.finished, what="w3 finished")
+    assert finish_reason(pd, "w3") == "length"
+    assert torch.equal(pd.rows("w3"), encoded(53)), "its own pixels, encoded again"
+    assert len(pd.model.calls) == calls + 1
+
+    producer.call("publish", [("spoilt", (ROWS, WIDTH), BF16, 51)])  # as E would, for m4's own encode
+    pd.add(make_request("m4", [("spoilt", 0, 6)], params=params, media=False, max_tokens=2))
+    pd.run_until(lambda: "m4" in pd.finished, what="m4 finished")
+    assert finish_reason(pd, "m4") == "length"
+    assert torch.equal(pd.rows("m4"), encoded(53)), "vLLM's own entry, right again"
+    pd.run_until(lambda: pd.worker.endpoint.pool.stats().used == 0, what="pool empty", timeout=10)
+
+
+def test_request_sharing_a_failed_load_in_its_step_fails_too(producer, engine):
+    """FAULT INJECTION as above, with two requests of one image: where vLLM schedules both in the
+    step that loads it, it loads the item once (for one) and serves the other from its encoder
+    cache, so both gather the placeholder, yet only the loader's failure is reported: the other
+    must fail as well, never end normally on zeros. (Which request the scheduler admits first
+    follows the holds' answers: up to three images are tried until both share the step.)"""
+    pd = engine(load_timeout_s="2", peer_timeout_s="2")
+    shared_step = 0
+    for attempt in range(3):
+        h, rids = f"shared-{attempt}", (f"a{attempt}", f"b{attempt}")
+        producer.call("publish", [(h, (ROWS, WIDTH), BF16, 51)])
+        params = params_for(producer.address, [(h, 0)])
+        for rid in rids:
+            pd.add(make_request(rid, [(h, 0, 6)], params=params, media=False, max_tokens=3))
+        while not any(f[2] == h for m in pd.worker_meta for f in m.failed):
+            so = pd.scheduler.schedule()
+            meta = so.ec_connector_metadata
+            if meta.loads:
+                producer.call("unpublish_all")
+                for s in meta.loads + meta.prefetch:
+                    s.valid_until = 0.0
+            pd.finish_step(so, pd.execute_model(so))
+            assert pd.steps < 1000, "never failed"
+        pd.run_until(lambda: set(rids) <= set(pd.finished), what="both ended", max_steps=6)
+        assert [finish_reason(pd, r) for r in rids] == ["error", "error"]
+        if all(r in pd.gathered for r in rids):
+            shared_step += 1
+            break
+    assert shared_step, "the two requests never shared the failing step"
+
+
 def test_metadata_only_item_without_params_fails_up_front(engine):
     """Nothing to load and no pixels to encode: the scheduler fails the request before any
     step schedules it (MRv2 would otherwise gather a missing entry and kill the engine)."""

@@ -53,6 +53,7 @@ class NixlECMetadata(ECConnectorMetadata):
     publish: list[str] = field(default_factory=list)  # producer: (re)publish from the encoder cache
     release: list[str] = field(default_factory=list)  # consumer: committed to KV, give the slot back
     modalities: dict[str, str] = field(default_factory=dict)  # producer: of ``publish``, for its pool's events
+    evict: list[str] = field(default_factory=list)  # consumer: placeholders of failed loads vLLM encodes again now
     step: Any = field(default=None, repr=False, compare=False)
     """The SchedulerOutput this metadata rides in (set when there are loads; workers drop it)."""
 

@@ -62,6 +62,7 @@ from ec_nixl.vllm.features import FeatureFacts
 from ec_nixl.vllm.metadata import LoadSpec, NixlECMetadata, NixlECWorkerMeta
 from ec_nixl.vllm.options import NixlECOptions, Placement, compat_fields, endpoint_config
 from ec_nixl.vllm.producers import ProducerView
+from ec_nixl.vllm.poisoned import PoisonedEntries
 from ec_nixl.vllm.worker_report import apply as apply_worker_report
 from ec_nixl.vllm.stand_ins import SchedulerStandIns
 from ec_nixl.vllm.stats import NixlECConnectorStats, StatsBook
@@ -135,12 +136,15 @@ class SchedulerSide:
         self._release: list[str] = []
         self._loaded: set[str] = set()  # remote items handed to workers, not yet released
         self._with_step: collections.deque[NixlECMetadata] = collections.deque()
+        self.poisoned = PoisonedEntries(self.facts.has_media, opts.fallback == "auto")  # failed loads' entries
 
     # ================================================================ consumer: admission
 
     def ensure_cache_available(self, request, num_computed_tokens: int) -> bool:
         if self.endpoint is None:
             return True
+        if not self.poisoned.admits(request, num_computed_tokens, self._unavailable):
+            return False  # it needs a failed load's placeholder vLLM keeps (it waits, or fails)
         adm = self._reqs.get(request.request_id)
         if adm is None:
             adm = self._admit(request, num_computed_tokens)
@@ -197,7 +201,8 @@ class SchedulerSide:
                     return self.ensure_cache_available(request, num_computed_tokens)
             self.metrics.count("admission_defers")
             return False
-        if self._busy and adm.deferred_step < 0 and self._worth_a_step(adm):
+        if self._busy and adm.deferred_step < 0 and self.producers.long(  # (this step's prefetches for it)
+                [adm.items[s.desc.mm_hash].remote for s in self._prefetch if s.desc.mm_hash in adm.items]):
             # Long loads off the step's critical path: while other requests run, admit this one
             # a step later; the workers start its transfers with this step's metadata, so the
             # step that gathers it only passes the barrier. (An idle engine admits at once: no
@@ -221,12 +226,6 @@ class SchedulerSide:
             return False
         self._idle_blocked_step = self._step
         return True
-
-    def _worth_a_step(self, adm: Admission) -> bool:
-        """Whether the transfers this step's metadata starts for ``adm`` (its prefetches) are long
-        enough to keep it out of this step (``ProducerView.long``)."""
-        return self.producers.long([adm.items[s.desc.mm_hash].remote for s in self._prefetch
-                                    if s.desc.mm_hash in adm.items])
 
     def _admit_early(self, adm: Admission) -> bool:
         """Admit ``adm`` now, before its Holds answer: every remote item carries its media (a miss
@@ -422,13 +421,14 @@ class SchedulerSide:
         self.stand_ins.before_step(scheduler_output, self.update_connector_output, self.update_state_after_free)
         self._cancel_waiting()
         self._place_loads()
+        evict = self.poisoned.before_step(scheduler_output, [s.desc.mm_hash for s in self._loads])
         self._busy = _runs(scheduler_output)
         self._step += 1
         publish, modalities = self.cache_events.step(scheduler_output, self.announcer.take_publish())
         if not self._busy and not self._loads:  # kept for the next step that runs (see _runs)
             return NixlECMetadata(prefetch=self._prefetch[:], release=self._release[:], publish=publish, modalities=modalities)
         meta = NixlECMetadata(loads=self._loads, prefetch=self._prefetch, publish=publish, release=self._release,
-                              modalities=modalities)
+                              modalities=modalities, evict=evict)
         self._loads, self._prefetch, self._release = [], [], []
         if meta.loads:  # workers may add a failed load to this step's encoder inputs (WorkerSide)
             meta.step = scheduler_output
@@ -450,7 +450,7 @@ class SchedulerSide:
         m = getattr(output, "ec_connector_worker_meta", output)  # (or a report_channel report itself)
         if not isinstance(m, NixlECWorkerMeta):
             return
-        self._unavailable |= apply_worker_report(m, self._reqs, self.producers, self.metrics)
+        self._unavailable |= apply_worker_report(m, self._reqs, self.producers, self.metrics, self.poisoned)
         if m.stats:
             self.producers.learn(m.stats)
             self.counts.add_workers(m.stats)
@@ -463,6 +463,7 @@ class SchedulerSide:
 
     def request_finished(self, request) -> tuple[bool, Optional[dict]]:
         self.cache_events.finished(request)
+        self.poisoned.finished(request.request_id)
         adm = self._reqs.pop(request.request_id, None)
         self.stand_ins.finished(request, self.update_state_after_free)
         self.transfers.forget(request.request_id)

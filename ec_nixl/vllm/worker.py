@@ -159,6 +159,8 @@ class WorkerSide:
         self._cache = encoder_cache
         for h in meta.release:
             self._release(h)
+        for h in meta.evict:  # a failed load's placeholder, encoded again in this step (vllm/poisoned.py)
+            encoder_cache.pop(h, None)
         self._sweep()
         try:
             if self.endpoint is not None:

@@ -13,13 +13,16 @@ from typing import Any
 
 from ec_nixl.metrics import Metrics
 from ec_nixl.vllm.metadata import NixlECWorkerMeta
+from ec_nixl.vllm.poisoned import PoisonedEntries
 from ec_nixl.vllm.producers import ProducerView
 
 logger = logging.getLogger("ec_nixl.vllm")
 
 
-def apply(m: NixlECWorkerMeta, reqs: dict[str, Any], producers: ProducerView, metrics: Metrics) -> set[str]:
-    """Apply ``m`` to ``reqs`` (request id -> its admission); returns the requests that failed."""
+def apply(m: NixlECWorkerMeta, reqs: dict[str, Any], producers: ProducerView, metrics: Metrics,
+          poisoned: PoisonedEntries) -> set[str]:
+    """Apply ``m`` to ``reqs`` (request id -> its admission) and to the encoder-cache entries that
+    hold a failed load's placeholder; returns the requests that failed (with those that shared it)."""
     for _, req_id, h, _ in m.failed + m.rerouted:
         adm = reqs.get(req_id)
         it = adm.items.get(h) if adm is not None else None
@@ -43,4 +46,4 @@ def apply(m: NixlECWorkerMeta, reqs: dict[str, Any], producers: ProducerView, me
             adm.items[h].status = "local"
         metrics.count("local_fallbacks")
         metrics.count("late_fallbacks")
-    return failed
+    return failed | poisoned.reported(m)
