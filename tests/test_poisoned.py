@@ -32,46 +32,46 @@ def test_a_sharer_that_gathered_fails_one_that_did_not_is_left_to_its_turn():
     loader, sharer, later = request("a", feature("h")), request("b", feature("h")), request("c", feature("h", offset=50))
     for r in (loader, sharer, later):
         assert p.admits(r, 0, unavailable)
-    p.before_step(step_output({"a": 10, "b": 10, "c": 10}), ["h"])
+    p.before_step(step_output({"a": 10, "b": 10, "c": 10}), ["h"], 1)
     loader.num_computed_tokens = sharer.num_computed_tokens = later.num_computed_tokens = 10
     doomed = p.reported(NixlECWorkerMeta(failed=[(0, "a", "h", "MISSING")]))
     assert doomed == {"b"}, "c has not reached the item's placeholder yet"
     assert p and p.admits(later, 10, unavailable), "c carries the pixels: queued to encode it again"
     out = step_output({"c": 40})
-    assert p.before_step(out, []) == ["h"] and out.scheduled_encoder_inputs == {"c": [0]}
+    assert p.before_step(out, [], 2) == ["h"] and out.scheduled_encoder_inputs == {"c": [0]}
     assert not p, "the entry is right again after that step"
 
 
 def test_a_request_without_media_waits_for_a_queued_encode_else_fails():
     p, unavailable = entries(), set()
     p.admits(request("a", feature("h", media=False)), 0, unavailable)
-    p.before_step(step_output({"a": 10}), ["h"])
+    p.before_step(step_output({"a": 10}), ["h"], 1)
     p.reported(NixlECWorkerMeta(failed=[(0, "a", "h", "MISSING")]))
     bare = request("m", feature("h", media=False))
     assert not p.admits(bare, 0, unavailable) and unavailable == {"m"}, "nothing can make it right: fails"
     unavailable.clear()
     assert p.admits(request("w", feature("h")), 0, unavailable)
     assert not p.admits(request("m2", feature("h", media=False)), 0, unavailable) and not unavailable, "waits"
-    p.before_step(step_output({"w": 10}), [])
+    p.before_step(step_output({"w": 10}), [], 2)
     assert p.admits(request("m2", feature("h", media=False)), 0, unavailable) and not unavailable
 
 
 def test_without_local_encodes_every_later_request_of_it_fails_until_vllm_frees_it():
     p, unavailable = entries(may_encode=False), set()
     p.admits(request("a", feature("h")), 0, unavailable)
-    p.before_step(step_output({"a": 10}), ["h"])
+    p.before_step(step_output({"a": 10}), ["h"], 1)
     p.reported(NixlECWorkerMeta(failed=[(0, "a", "h", "MISSING")]))
     assert not p.admits(request("b", feature("h")), 0, unavailable) and unavailable == {"b"}
-    p.before_step(step_output({}, freed=["h"]), [])
+    p.before_step(step_output({}, freed=["h"]), [], 2)
     assert not p and p.admits(request("c", feature("h")), 0, set())
 
 
 def test_the_record_lets_go_of_finished_requests_and_unreported_loads():
     p = entries()
     p.admits(request("a", feature("h"), feature("k")), 0, set())
-    p.before_step(step_output({"a": 10}), ["h", "k"])
+    p.before_step(step_output({"a": 10}), ["h", "k"], 1)
     p.reported(NixlECWorkerMeta(loaded=[(0, "h")]))
-    for _ in range(_WATCH_STEPS + 1):
-        p.before_step(step_output({}), [])
+    for step in range(2, _WATCH_STEPS + 3):
+        p.before_step(step_output({}), [], step)
     p.finished("a")
-    assert (p._live, p._users, p._watch, p._watched_since, p._reencode) == ({}, {}, {}, {}, {})
+    assert (p._live, p._users, p._watch, p._reencode) == ({}, {}, {}, {})

@@ -41,9 +41,8 @@ class PoisonedEntries:
         self._users: dict[str, set[str]] = {}  # mm_hash -> ids of the live requests with that item
         self._why: dict[str, str] = {}  # mm_hash -> why its entry is a placeholder
         self._reencode: dict[str, dict[str, int]] = {}  # mm_hash -> {request id: item index} that may encode it
-        self._watch: dict[str, dict[str, Any]] = {}  # mm_hash in flight -> requests that may gather it meanwhile
-        self._watched_since: dict[str, int] = {}  # mm_hash -> the step its watch began (see loading)
-        self._steps = 0
+        # mm_hash in flight -> (the scheduler step its watch began, the requests that may gather it meanwhile)
+        self._watch: dict[str, tuple[int, dict[str, Any]]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._why)
@@ -62,11 +61,11 @@ class PoisonedEntries:
             unavailable.add(request.request_id)
         return verdict == "go"
 
-    def before_step(self, scheduler_output, loading) -> list[str]:
-        """``build_connector_meta``: the hashes the workers drop before this step (``step``)."""
+    def before_step(self, scheduler_output, loading, step: int) -> list[str]:
+        """``build_connector_meta`` of scheduler step ``step``: the hashes the workers drop before
+        this step (``step``)."""
         self.freed(getattr(scheduler_output, "free_encoder_mm_hashes", None))
-        self._steps += 1
-        self.loading(loading)
+        self.loading(loading, step)
         return self.step(scheduler_output) if self._why else []
 
     def reported(self, m) -> set[str]:
@@ -91,18 +90,17 @@ class PoisonedEntries:
 
     # ---------------------------------------------------------------- the rules
 
-    def loading(self, hashes) -> None:
+    def loading(self, hashes, step: int) -> None:
         """Each step, for the items loading (this step's and those not reported yet): note the
         live requests that need them and may gather them before their outcome is known. A load
         is reported the step after its own; one never reported (its entry was already there) is
         let go after ``_WATCH_STEPS``."""
         for h in hashes:
-            self._watched_since.setdefault(h, self._steps)
-        for h, since in list(self._watched_since.items()):
-            if self._steps - since > _WATCH_STEPS:
-                self.landed(h)
+            self._watch.setdefault(h, (step, {}))
+        for h, (since, watch) in list(self._watch.items()):
+            if step - since > _WATCH_STEPS:
+                del self._watch[h]
                 continue
-            watch = self._watch.setdefault(h, {})
             for rid in self._users.get(h, ()):
                 req = self._live[rid]
                 if rid not in watch and any(f.identifier == h and req.num_computed_tokens < feature_end(f)
@@ -111,15 +109,13 @@ class PoisonedEntries:
 
     def landed(self, h: str) -> None:
         self._watch.pop(h, None)
-        self._watched_since.pop(h, None)
 
     def failed(self, h: str, why: str, failed_req: str) -> set[str]:
         """The load of ``h`` failed (the workers' report): its entry is poisoned. Returns the
         other requests that must fail with it: those that may have gathered the placeholder."""
         self._why.setdefault(h, why)
-        self._watched_since.pop(h, None)
         doomed = set()
-        for rid, req in self._watch.pop(h, {}).items():
+        for rid, req in self._watch.pop(h, (0, {}))[1].items():
             if rid != failed_req and any(f.identifier == h and req.num_computed_tokens > f.mm_position.offset
                                          for f in req.mm_features or ()):
                 logger.error("request %s fails: it used encoder output %s, whose load for request %s failed (%s)",
@@ -181,5 +177,5 @@ class PoisonedEntries:
             candidates.pop(req_id, None)
             if not candidates:
                 del self._reencode[h]
-        for watch in self._watch.values():
+        for _, watch in self._watch.values():
             watch.pop(req_id, None)

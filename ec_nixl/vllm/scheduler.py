@@ -421,7 +421,7 @@ class SchedulerSide:
         self.stand_ins.before_step(scheduler_output, self.update_connector_output, self.update_state_after_free)
         self._cancel_waiting()
         self._place_loads()
-        evict = self.poisoned.before_step(scheduler_output, [s.desc.mm_hash for s in self._loads])
+        evict = self.poisoned.before_step(scheduler_output, [s.desc.mm_hash for s in self._loads], self._step)
         self._busy = _runs(scheduler_output)
         self._step += 1
         publish, modalities = self.cache_events.step(scheduler_output, self.announcer.take_publish())
