@@ -16,9 +16,10 @@
 #                                       run it again with another TAG for more rounds, then merge them:
 #                                       ec-nixl bench serve --merge serve_*.json
 # Everything goes to $OUT (default /tmp/ec-nixl-out): e2e.json, e2e_log.txt, race_log.txt,
-# race_ROW.json, micro.json, micro_log.txt, serve_TAG.json, serve_TAG_log.txt. DEPLOYMENTS, PROMPTS,
-# POOL_MB and SERVE_TIMEOUT change serve's; E2E_EAGER, CALL_S, RACE_ONLY (the rows alone),
-# RACE_DELAYED_ONLY (the delayed WRITE row alone), RACE_DELAY_MS and RACE_TIMEOUT change e2e's.
+# race_ROW.json, micro.json, micro_log.txt, serve_TAG.json, serve_TAG_log.txt. DEPLOYMENTS,
+# CONCURRENCY, IMAGES (a short lease: CONCURRENCY=1 alone), PROMPTS, POOL_MB and SERVE_TIMEOUT change
+# serve's; E2E_EAGER, CALL_S, RACE_ONLY (the rows alone), RACE_DELAYED_ONLY (the delayed WRITE row
+# alone), RACE_DELAY_MS and RACE_TIMEOUT change e2e's.
 set -uo pipefail
 OUT=${OUT:-/tmp/ec-nixl-out}
 mkdir -p "$OUT"
@@ -111,7 +112,7 @@ serve)
   el "ec-nixl bench serve $TAG"
   timeout -k 10 ${SERVE_TIMEOUT:-560} "$PY" -m ec_nixl.cli bench serve --out "/tmp/serve-$TAG" --model-shape qwen2.5-vl-7b \
       --deployments ${DEPLOYMENTS:-colocated,example,nixl-seq} --reference example --rounds 1 \
-      --concurrency 1,4,8 --images 1,2 --prompts ${PROMPTS:-16} --image-sizes 1024x1024 --input-len 32 --output-len 16 \
+      --concurrency ${CONCURRENCY:-1,4,8} --images ${IMAGES:-1,2} --prompts ${PROMPTS:-16} --image-sizes 1024x1024 --input-len 32 --output-len 16 \
       --vllm-args "--max-model-len 4096 --max-num-seqs 16 --max-num-batched-tokens 8192 --enforce-eager --dtype bfloat16 --limit-mm-per-prompt {\"image\":2,\"video\":0}" \
       --colocated-vllm-args "--gpu-memory-utilization 0.85" \
       --encoder-vllm-args "--gpu-memory-utilization 0.15 $E_ARGS" --pd-vllm-args "--gpu-memory-utilization 0.7" \
