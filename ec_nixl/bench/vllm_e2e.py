@@ -52,6 +52,13 @@ LEASE_S = 15.0
 request whose PD holds the image itself is never read, and leaves E's pool when its lease ends."""
 
 
+NO_VERDICT = "NO VERDICT"  # how scripts/check_guards.py tells "could not judge" from "caught"
+
+
+class NoVerdict(RuntimeError):
+    """The run never reached the checks it is judged by."""
+
+
 @dataclass
 class Check:
     name: str
@@ -75,6 +82,21 @@ class Report:
     @property
     def passed(self) -> bool:
         return bool(self.checks) and all(c.ok for c in self.checks)
+
+    def verdict(self, only: list[str], error: BaseException | None = None) -> list[str]:
+        """The failed checks among those ``only`` names (their names' starts; empty: all).
+
+        Where ``only`` narrows the checks (a guard row judged by its answers alone) and the run
+        stopped before any of them was made (``error``: a server that never came up, a port still
+        held), there is no verdict: that raises ``NoVerdict``, which ``scripts/check_guards.py``
+        never counts as catching a breakage. Without ``only`` such a run is a plain failure."""
+        asserted = [c for c in self.checks if not only or any(c.name.startswith(w) for w in only)]
+        if not asserted:
+            if only:
+                raise NoVerdict(f"{NO_VERDICT}: none of the checks {only} was made"
+                                + (f" ({type(error).__name__}: {error})" if error else ""))
+            return [f"no check was made{f' ({type(error).__name__}: {error})' if error else ''}"]
+        return [f"{c.name}: {c.saw}" for c in asserted if not c.ok]
 
     def as_dict(self) -> dict:
         return {"passed": self.passed, "checks": [vars(c) for c in self.checks], "requests": self.requests,
