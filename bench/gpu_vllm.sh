@@ -86,11 +86,13 @@ e2e)
     el "check_guards --marker gpu -k $1 ($2)"
     # Without an earlier e2e here (RACE_ONLY=1 on a fresh machine) the row builds its own tiny model
     # and starts its own colocated server: a minute more, the same check.
-    local ref=""; [ -f /tmp/e2e/reference.json ] && ref="--model /tmp/e2e/tiny-vl --reference /tmp/e2e/reference.json"
+    # (A cold first row on a fresh H100, with its own colocated server, took over 200 s; 144 s warm.)
+    local ref="" tmo=${RACE_TIMEOUT:-320}
+    [ -f /tmp/e2e/reference.json ] && ref="--model /tmp/e2e/tiny-vl --reference /tmp/e2e/reference.json" tmo=${RACE_TIMEOUT:-200}
     EC_NIXL_E2E_ARGS="$ref --encoder-vllm-args='$E_ARGS' --vllm-args='$EAGER_ARGS' --extra-config '{\"announce_lease_s\": 5}' ${3:-}" \
     EC_NIXL_E2E_REPORT="$OUT/race_$2.json" \
-      timeout -k 10 $(( budget < ${RACE_TIMEOUT:-200} ? budget : ${RACE_TIMEOUT:-200} )) "$PY" scripts/check_guards.py \
-        --marker gpu -k "$1" --no-baseline --timeout $(( ${RACE_TIMEOUT:-200} - 20 )) 2>&1 | tee -a "$OUT/race_log.txt"
+      timeout -k 10 $(( budget < tmo ? budget : tmo )) "$PY" scripts/check_guards.py \
+        --marker gpu -k "$1" --no-baseline --timeout $(( tmo - 20 )) 2>&1 | tee -a "$OUT/race_log.txt"
     local r=${PIPESTATUS[0]}
     "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); q=d['requests']
 print(f'  {sys.argv[2]}: {sum(not r[\"equal\"] and not r[\"error\"] for r in q)} of {len(q)} answers differ, {sum(bool(r[\"error\"]) for r in q)} failed; delay_push_ms {d[\"info\"].get(\"delay_push_ms\")}')" \
@@ -111,7 +113,7 @@ serve)
   info
   el "ec-nixl bench serve $TAG"
   timeout -k 10 ${SERVE_TIMEOUT:-560} "$PY" -m ec_nixl.cli bench serve --out "/tmp/serve-$TAG" --model-shape qwen2.5-vl-7b \
-      --deployments ${DEPLOYMENTS:-colocated,example,nixl-seq} --reference example --rounds 1 \
+      --deployments ${DEPLOYMENTS:-colocated,example,nixl-seq} --reference ${REFERENCE:-example} --rounds 1 \
       --concurrency ${CONCURRENCY:-1,4,8} --images ${IMAGES:-1,2} --prompts ${PROMPTS:-16} --image-sizes 1024x1024 --input-len 32 --output-len 16 \
       --vllm-args "--max-model-len 4096 --max-num-seqs 16 --max-num-batched-tokens 8192 --enforce-eager --dtype bfloat16 --limit-mm-per-prompt {\"image\":2,\"video\":0}" \
       --colocated-vllm-args "--gpu-memory-utilization 0.85" \
