@@ -60,6 +60,7 @@ PHASES = (
     "hold_seen",  # consumer scheduler: Hold sent -> its answer used by a scheduling step
     "place_wait",  # consumer scheduler: a step's wait for the Holds of its early-admitted loads
     "publish",  # producer worker: a step's outputs pinned (flush_publish)
+    "push_post",  # producer: a Push read and its item published (the later) -> its WRITE posted from Python
 )
 """Named durations of a request's control path, sampled per occurrence (seconds): together with
 the transfer (``xfer_s``) and the barrier (``wait_s``) they say where a request's time goes."""

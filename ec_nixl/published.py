@@ -58,9 +58,10 @@ class _Unheard:
 class Push:
     """One consumer reader's request that we WRITE an item into its slot ``block``."""
 
-    __slots__ = ("session", "reader", "block", "nbytes", "req", "xfer", "state", "native")
+    __slots__ = ("session", "reader", "block", "nbytes", "req", "xfer", "state", "native", "t_asked")
 
     def __init__(self, session: str, reader: int, block: int, nbytes: int, req: int):
+        self.t_asked = time.monotonic()  # the server read the Push (its ``push_post`` phase starts here)
         self.session = session
         self.reader = reader
         self.block = block

@@ -96,8 +96,12 @@ class Pusher:
                 for it, p in batch:
                     self._failed(s, it, p, str(e))
                 continue
-            for _, p in batch:
+            now = time.monotonic()
+            for it, p in batch:
                 p.posted(x)
+                # From the later of the ask and the publish to the WRITE posted: the producer's own
+                # share of a consumer's load (where its Python waited, for the GIL or its I/O thread)
+                self.metrics.phase("push_post", now - max(p.t_asked, it.t_pub))
         still = []
         for item, push in self._active:
             s = self._session(push.session)

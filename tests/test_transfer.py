@@ -124,6 +124,26 @@ def test_barrier_never_releases_early_with_throttled_producer(make_producer, mak
         assert retries == 0, "a push is queued at the producer: nothing to retry"
 
 
+def test_the_producer_times_its_own_share_of_a_write_load(make_producer, make_consumer, device):
+    """``push_post``: from the producer reading a Push for a published item to its WRITE posted,
+    one sample per item. It lies inside the consumer's own ask -> landed window (the producer
+    reads the Push after the consumer sent it and posts before the bytes land): what a PD's load
+    inside vLLM is split by (bench serve's ``push_post_p50_ms`` beside the PD's transfer time)."""
+    prod = make_producer()
+    cons = make_consumer(mode="write")
+    specs = [("p0", (256, 512), "bfloat16", 1), ("p1", (128, 512), "bfloat16", 2)]
+    descs = prod.call("publish", specs)
+    t0 = time.monotonic()
+    tickets = cons.load(refs_for(prod, descs))
+    check(LoadBarrier(cons).wait(tickets, timeout=20.0), specs, device)
+    window = time.monotonic() - t0
+    samples = prod.call("stats")["phases"].get("push_post", [])
+    assert len(samples) == 2, prod.call("stats")["phases"]
+    assert all(0.0 <= x < window for x in samples), (samples, window)
+    for t in tickets:
+        t.release()
+
+
 def test_barrier_returns_at_once_for_landed_items(make_producer, make_consumer, device):
     """A second wait on landed tickets does no work; both hand over exactly the producer's bytes."""
     prod = make_producer()

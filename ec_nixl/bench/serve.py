@@ -452,9 +452,13 @@ def producer_stats(address: Optional[str]) -> dict[str, Any]:
     out: dict[str, Any] = {k: int(c.get(k, 0)) for k in ("published", "staging_copies", "holds_parked",
                                                             "pushes_parked", "native_answers", "native_pushes",
                                                             "publish_wakes")}
-    pub = (st.get("phases") or {}).get("publish") or []
+    phases = st.get("phases") or {}
+    pub = phases.get("publish") or []
     if pub:
         out["publish_ms"] = round(statistics.mean(pub) * 1e3, 3)
+    push = phases.get("push_post") or []  # E's own share of the PD's WRITE loads (Python-posted)
+    if push:
+        out["push_post_p50_ms"] = round(statistics.median(push) * 1e3, 3)
     out["pool_used"] = (st.get("pool") or {}).get("used")
     return out
 
