@@ -14,9 +14,10 @@ Run it with the test environment's Python (e.g. ``.venv/bin/python``); it sets `
 to the copy itself. Not run by CI: it runs the guarding tests once per breakage. Anyone changing
 the hot path runs it to see that every breakage is still caught, by the tests named in the
 breakage's ``expect``, each by a failing assertion: a test whose process crashes or hangs, or
-that fails saying it could not judge (NO VERDICT), is listed, never counted as catching. It first runs the same tests on an unbroken copy and refuses
-to judge anything (exit status 2) unless they all pass there. Exit status 1 if a breakage was
-not caught by every expected test (or if an ``old`` text is no longer in the source).
+that fails saying it could not judge (NO VERDICT), is listed, never counted as catching. It
+first runs the same tests on an unbroken copy and refuses to judge anything (exit status 2)
+unless they all pass there. Exit status 1 if a breakage was not caught by every expected test
+(or if an ``old`` text is no longer in the source).
 
 Each breakage is data in ``BREAKAGES``: the file, the exact text it replaces (it must occur
 exactly once, so a stale entry stops the script instead of passing silently), the text put
@@ -424,11 +425,10 @@ def run_tests(root: str, tests: tuple[str, ...], marker: str, env_extra: dict, t
 
 def _end_sessions_on_term() -> None:
     """SIGTERM exits through the finally blocks (``_pytest``'s ends the test session)."""
-    signal.signal(signal.SIGTERM, _exit_on_term)
+    def exit_(signum, frame) -> None:
+        raise SystemExit(128 + signum)
 
-
-def _exit_on_term(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, exit_)
 
 
 def by_assertion(outcome: str) -> bool:

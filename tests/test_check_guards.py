@@ -94,7 +94,7 @@ def test_sigterm_ends_the_test_session_and_its_servers(tmp_path) -> None:
             time.sleep(300)
     """))
     driver = textwrap.dedent(f"""
-        import importlib.util, signal, sys
+        import importlib.util, sys
         spec = importlib.util.spec_from_file_location("check_guards", {SCRIPT!r})
         g = sys.modules["check_guards"] = importlib.util.module_from_spec(spec); spec.loader.exec_module(g)
         g._end_sessions_on_term()  # as main() does

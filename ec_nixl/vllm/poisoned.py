@@ -63,7 +63,7 @@ class PoisonedEntries:
 
     def before_step(self, scheduler_output, loading, step: int) -> list[str]:
         """``build_connector_meta`` of scheduler step ``step``: the hashes the workers drop before
-        this step (``step``)."""
+        that step."""
         self.freed(getattr(scheduler_output, "free_encoder_mm_hashes", None))
         self.loading(loading, step)
         return self.step(scheduler_output) if self._why else []
